@@ -131,7 +131,9 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_id < self.num_worker:
-            raise ConfigError(f"DMLC_WORKER_ID={self.worker_id} must be in [0, DMLC_NUM_WORKER={self.num_worker})")
+            raise ConfigError(
+                f"DMLC_WORKER_ID={self.worker_id} must be in [0, DMLC_NUM_WORKER={self.num_worker})"
+            )
         if not 0 <= self.local_rank < self.local_size:
             raise ConfigError(
                 f"BYTEPS_LOCAL_RANK={self.local_rank} must be in [0, BYTEPS_LOCAL_SIZE={self.local_size})"
