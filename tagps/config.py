@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["CommConfig", "ConfigError", "KernelConfig", "comm_config", "kernel_config"]
+__all__ = [
+    "CommConfig",
+    "ConfigError",
+    "KernelConfig",
+    "PSConfig",
+    "ServerOptimizerConfig",
+    "comm_config",
+    "kernel_config",
+    "ps_config",
+    "server_optimizer_config",
+]
 
 T = TypeVar("T")
 
@@ -183,3 +193,217 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
         pcie_switch_size=_read(env, "BYTEPS_PCIE_SWITCH_SIZE", _int(0), 0),
         local_topology=_read(env, "TAGPS_LOCAL_TOPOLOGY", _topology, None),
     )
+
+
+def _float(minimum: float | None = None, strict: bool = False) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw.strip())
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("must be a finite number")
+        if minimum is not None and (value <= minimum if strict else value < minimum):
+            raise ValueError(f"must be {'>' if strict else '>='} {minimum}")
+        return value
+
+    return parse
+
+
+def _floats(count: int) -> Callable[[str], tuple[float, ...]]:
+    def parse(raw: str) -> tuple[float, ...]:
+        values = tuple(_float()(part) for part in raw.split(","))
+        if len(values) != count:
+            raise ValueError(f"must be {count} comma-separated numbers")
+        return values
+
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class ServerOptimizerConfig:
+    """The optimizer a summation server applies to the summed gradient (``TAGPS_SERVER_*``).
+
+    Args:
+        name: ``"none"`` (plain summation, the default), ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"rmsprop"``.
+        lr: learning rate (default 1e-3).
+        betas: Adam/AdamW coefficients (default ``(0.9, 0.999)``).
+        eps: denominator term (default 1e-8).
+        weight_decay: L2 penalty, decoupled for AdamW (default 0; AdamW's default is 0.01).
+        momentum: SGD/RMSProp momentum (default 0).
+        dampening: SGD dampening (default 0).
+        nesterov: SGD Nesterov momentum (default off).
+        alpha: RMSProp smoothing constant (default 0.99).
+        centered: centered RMSProp (default off).
+        amsgrad: AMSGrad variant of Adam/AdamW (default off).
+        maximize: maximize the objective instead of minimizing it (default off).
+    """
+
+    name: str = "none"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    alpha: float = 0.99
+    centered: bool = False
+    amsgrad: bool = False
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"TAGPS_SERVER_BETAS={self.betas} is malformed: each beta must be in [0, 1)")
+        if self.nesterov and (self.momentum <= 0.0 or self.dampening != 0.0):
+            raise ConfigError("TAGPS_SERVER_NESTEROV=1 needs TAGPS_SERVER_MOMENTUM > 0 and zero dampening")
+
+
+def server_optimizer_config(env: Mapping[str, str] = os.environ) -> ServerOptimizerConfig:
+    """Read ``TAGPS_SERVER_OPTIMIZER`` and its hyperparameters ``TAGPS_SERVER_{LR,BETAS,EPS,...}``."""
+    name = _read(env, "TAGPS_SERVER_OPTIMIZER", _choice("none", "sgd", "adam", "adamw", "rmsprop"), "none")
+    betas = _read(env, "TAGPS_SERVER_BETAS", _floats(2), (0.9, 0.999))
+    return ServerOptimizerConfig(
+        name=name,
+        lr=_read(env, "TAGPS_SERVER_LR", _float(0.0), 1e-3),
+        betas=(betas[0], betas[1]),
+        eps=_read(env, "TAGPS_SERVER_EPS", _float(0.0), 1e-8),
+        weight_decay=_read(env, "TAGPS_SERVER_WEIGHT_DECAY", _float(0.0), 0.01 if name == "adamw" else 0.0),
+        momentum=_read(env, "TAGPS_SERVER_MOMENTUM", _float(0.0), 0.0),
+        dampening=_read(env, "TAGPS_SERVER_DAMPENING", _float(0.0), 0.0),
+        nesterov=_read(env, "TAGPS_SERVER_NESTEROV", _bool, False),
+        alpha=_read(env, "TAGPS_SERVER_ALPHA", _float(0.0), 0.99),
+        centered=_read(env, "TAGPS_SERVER_CENTERED", _bool, False),
+        amsgrad=_read(env, "TAGPS_SERVER_AMSGRAD", _bool, False),
+        maximize=_read(env, "TAGPS_SERVER_MAXIMIZE", _bool, False),
+    )
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """Settings of the parameter-server runtime (``DMLC_*``, ``BYTEPS_*``, ``PS_*``, ``TAGPS_*``).
+
+    Args:
+        role: ``DMLC_ROLE``: ``"worker"``, ``"server"`` or ``"scheduler"``.
+        num_workers: ``DMLC_NUM_WORKER``, worker machines in the job.
+        num_servers: ``DMLC_NUM_SERVER``, summation servers in the job.
+        root_uri: ``DMLC_PS_ROOT_URI``, address of the scheduler.
+        root_port: ``DMLC_PS_ROOT_PORT``, port of the scheduler.
+        worker_id: ``DMLC_WORKER_ID``, this worker machine's id in ``[0, num_workers)`` (0 elsewhere).
+        node_host: ``DMLC_NODE_HOST``, the address this node binds to and advertises (``None``: the
+            local address that routes to the scheduler).
+        local_rank: ``BYTEPS_LOCAL_RANK``, this process's rank inside its machine (default 0).
+        local_size: ``BYTEPS_LOCAL_SIZE``, processes per worker machine (default 1).
+        partition_bytes: ``BYTEPS_PARTITION_BYTES``, tensors are cut into chunks of at most this size.
+        engine_threads: ``BYTEPS_SERVER_ENGINE_THREAD``, summation threads per server (default 4).
+        enable_async: ``BYTEPS_ENABLE_ASYNC``, asynchronous updates instead of synchronous rounds.
+        max_staleness: ``TAGPS_MAX_STALENESS``, in async mode the most rounds a pull may run ahead of the
+            slowest worker's pushes (``None``: unbounded).
+        key_hash_fn: ``BYTEPS_KEY_HASH_FN``: ``djb2``, ``sdbm``, ``naive`` or ``balanced``.
+        scheduling_credit: ``BYTEPS_SCHEDULING_CREDIT``, chunks a worker keeps in flight (default 16).
+        log_level: ``BYTEPS_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``; default ``WARNING``).
+        trace_on: ``BYTEPS_TRACE_ON``, record push_pull timelines.
+        trace_dir: ``BYTEPS_TRACE_DIR``, where traces go (default ``./traces``).
+        trace_start_step: ``BYTEPS_TRACE_START_STEP``, first traced step (default 10).
+        trace_end_step: ``BYTEPS_TRACE_END_STEP``, last traced step (default 20).
+        heartbeat_interval: ``PS_HEARTBEAT_INTERVAL``, seconds between heartbeats (default 1).
+        heartbeat_timeout: ``PS_HEARTBEAT_TIMEOUT``, seconds of silence after which a node counts as dead
+            (default 10).
+        secret: ``TAGPS_PS_SECRET``, shared secret from which the CURVE keys are derived (``None``: no
+            encryption or authentication).
+    """
+
+    role: str
+    num_workers: int
+    num_servers: int
+    root_uri: str
+    root_port: int
+    worker_id: int = 0
+    node_host: str | None = None
+    local_rank: int = 0
+    local_size: int = 1
+    partition_bytes: int = 4096000
+    engine_threads: int = 4
+    enable_async: bool = False
+    max_staleness: int | None = None
+    key_hash_fn: str = "djb2"
+    scheduling_credit: int = 16
+    log_level: str = "WARNING"
+    trace_on: bool = False
+    trace_dir: str = "traces"
+    trace_start_step: int = 10
+    trace_end_step: int = 20
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    secret: str | None = field(default=None, repr=False)
+
+
+def ps_config(env: Mapping[str, str] = os.environ) -> PSConfig:
+    """Read and cross-check the parameter-server variables; raise :class:`ConfigError` naming a bad one."""
+    role = _read(env, "DMLC_ROLE", _choice("worker", "server", "scheduler"), required=True)
+    num_workers = _read(env, "DMLC_NUM_WORKER", _int(1), required=True)
+    num_servers = _read(env, "DMLC_NUM_SERVER", _int(1), required=True)
+    worker_id = _read(env, "DMLC_WORKER_ID", _int(0), 0, required=role == "worker" and num_workers > 1)
+    if worker_id >= num_workers:
+        raise ConfigError(f"DMLC_WORKER_ID={worker_id} is malformed: must be < DMLC_NUM_WORKER={num_workers}")
+    local_size = _read(env, "BYTEPS_LOCAL_SIZE", _int(1), 1)
+    local_rank = _read(env, "BYTEPS_LOCAL_RANK", _int(0), 0)
+    if local_rank >= local_size:
+        raise ConfigError(
+            f"BYTEPS_LOCAL_RANK={local_rank} is malformed: must be < BYTEPS_LOCAL_SIZE={local_size}"
+        )
+    interval = _read(env, "PS_HEARTBEAT_INTERVAL", _float(0.0, strict=True), 1.0)
+    timeout = _read(env, "PS_HEARTBEAT_TIMEOUT", _float(0.0, strict=True), max(10.0, 3 * interval))
+    if timeout <= interval:
+        raise ConfigError(
+            f"PS_HEARTBEAT_TIMEOUT={timeout} is malformed: must exceed PS_HEARTBEAT_INTERVAL={interval}"
+        )
+    trace_start = _read(env, "BYTEPS_TRACE_START_STEP", _int(0), 10)
+    trace_end = _read(env, "BYTEPS_TRACE_END_STEP", _int(0), 20)
+    if trace_end < trace_start:
+        raise ConfigError(
+            f"BYTEPS_TRACE_END_STEP={trace_end} is malformed: "
+            f"must be >= BYTEPS_TRACE_START_STEP={trace_start}"
+        )
+    return PSConfig(
+        role=role,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        root_uri=_read(env, "DMLC_PS_ROOT_URI", _text, required=True),
+        root_port=_read(env, "DMLC_PS_ROOT_PORT", _port, required=True),
+        worker_id=worker_id,
+        node_host=_read(env, "DMLC_NODE_HOST", _text, None),
+        local_rank=local_rank,
+        local_size=local_size,
+        partition_bytes=_read(env, "BYTEPS_PARTITION_BYTES", _int(1), 4096000),
+        engine_threads=_read(env, "BYTEPS_SERVER_ENGINE_THREAD", _int(1), 4),
+        enable_async=_read(env, "BYTEPS_ENABLE_ASYNC", _bool, False),
+        max_staleness=_read(env, "TAGPS_MAX_STALENESS", _int(0), None),
+        key_hash_fn=_read(env, "BYTEPS_KEY_HASH_FN", _choice("djb2", "sdbm", "naive", "balanced"), "djb2"),
+        scheduling_credit=_read(env, "BYTEPS_SCHEDULING_CREDIT", _int(1), 16),
+        log_level=_read(env, "BYTEPS_LOG_LEVEL", _log_level, "WARNING"),
+        trace_on=_read(env, "BYTEPS_TRACE_ON", _bool, False),
+        trace_dir=_read(env, "BYTEPS_TRACE_DIR", _text, "traces"),
+        trace_start_step=trace_start,
+        trace_end_step=trace_end,
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
+        secret=_read(env, "TAGPS_PS_SECRET", str, None),
+    )
+
+
+def _port(raw: str) -> int:
+    value = int(raw.strip())
+    if not 1 <= value <= 65535:
+        raise ValueError("must be a TCP port in [1, 65535]")
+    return value
+
+
+def _log_level(raw: str) -> str:
+    value = raw.strip().upper()
+    aliases = {"TRACE": "DEBUG", "WARN": "WARNING", "FATAL": "CRITICAL"}
+    value = aliases.get(value, value)
+    if value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("must be one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
+    return value
