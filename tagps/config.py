@@ -16,10 +16,12 @@ __all__ = [
     "CommConfig",
     "ConfigError",
     "KernelConfig",
+    "LauncherConfig",
     "PSConfig",
     "ServerOptimizerConfig",
     "comm_config",
     "kernel_config",
+    "launcher_config",
     "ps_config",
     "server_optimizer_config",
 ]
@@ -407,3 +409,46 @@ def _log_level(raw: str) -> str:
     if value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ValueError("must be one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL")
     return value
+
+
+def _device_count(raw: str) -> int:
+    value = raw.strip().lower()
+    if value in ("none", "void", "-1"):
+        return 0
+    if value == "all":
+        raise ValueError("'all' does not say how many devices there are; set BYTEPS_LOCAL_SIZE")
+    return len([d for d in value.split(",") if d.strip()])
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """What ``bpslaunch`` needs to know about this machine.
+
+    Args:
+        role: ``worker``, ``server`` or ``scheduler`` (``DMLC_ROLE``); ``None`` for ``bpslaunch --local``,
+            which sets every role itself.
+        local_size: worker processes to start on this machine (``BYTEPS_LOCAL_SIZE``; default: the count in
+            ``CUDA_VISIBLE_DEVICES``, else in ``NVIDIA_VISIBLE_DEVICES``, else 1).
+    """
+
+    role: str | None = None
+    local_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.role not in (None, "worker", "server", "scheduler"):
+            raise ConfigError(f"DMLC_ROLE={self.role!r} must be one of worker, server, scheduler")
+        if self.local_size < 1:
+            raise ConfigError(f"BYTEPS_LOCAL_SIZE={self.local_size} must be >= 1")
+
+
+def launcher_config(env: Mapping[str, str] = os.environ, *, local: bool = False) -> LauncherConfig:
+    """Read ``DMLC_ROLE`` (required unless ``local``) and the local size (``BYTEPS_LOCAL_SIZE``,
+    ``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``)."""
+    role = None if local else _read(env, "DMLC_ROLE", _choice("worker", "server", "scheduler"), required=True)
+    local_size = _read(env, "BYTEPS_LOCAL_SIZE", _int(1), None)
+    if local_size is None:
+        for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+            if name in env:
+                local_size = _read(env, name, _device_count, 0) or 1
+                break
+    return LauncherConfig(role=role, local_size=local_size or 1)

@@ -1,0 +1,479 @@
+"""`bpslaunch`: start the processes of a BytePS-style job and supervise them.
+
+Two ways to use it:
+
+* **Role mode** (BytePS-compatible). ``DMLC_ROLE`` says what this machine is. A ``worker`` machine starts
+  ``BYTEPS_LOCAL_SIZE`` copies of the command (default: the count in ``CUDA_VISIBLE_DEVICES`` or
+  ``NVIDIA_VISIBLE_DEVICES``, else 1), each with its own ``BYTEPS_LOCAL_RANK``; a ``server`` starts
+  ``python -m tagps.server`` and a ``scheduler`` ``python -m tagps.scheduler`` (a command given to those two
+  roles is ignored, as BytePS does).
+* **Local mode**: ``bpslaunch --local W --servers S [--local-size L] -- CMD`` starts a scheduler, ``S``
+  servers and ``W`` worker machines of ``L`` local ranks each on 127.0.0.1 with free ports.
+
+Either way every child runs in its own process group (its own session), its output is streamed line by
+line with a ``[worker 0.1]`` / ``[server 1]`` / ``[scheduler]`` prefix, the first non-zero exit status ends
+the job (the others are stopped) and becomes bpslaunch's own status, and on exit, failure, ``SIGINT``,
+``SIGTERM`` or ``SIGHUP`` every process group is sent ``SIGTERM`` and, after a grace period, ``SIGKILL``.
+A child's exit is observed with ``waitid(WNOWAIT)`` so its pid, and so its process group id, cannot be
+reused before the final ``SIGKILL`` reaches the group. Children also get ``PR_SET_PDEATHSIG`` so that even
+a ``SIGKILL`` of bpslaunch itself leaves no worker behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from tagps.config import ConfigError, comm_config, launcher_config, ps_config
+
+__all__ = ["LaunchError", "ProcessSpec", "free_ports", "local_job", "main", "role_job", "run_processes"]
+
+_PR_SET_PDEATHSIG = 1
+# Variables that describe one process's place in a job; local mode sets them per child and never passes
+# the parent's values through.
+_LAYOUT_VARS = (
+    "DMLC_ROLE",
+    "DMLC_NUM_WORKER",
+    "DMLC_NUM_SERVER",
+    "DMLC_PS_ROOT_URI",
+    "DMLC_PS_ROOT_PORT",
+    "DMLC_WORKER_ID",
+    "DMLC_NODE_HOST",
+    "BYTEPS_LOCAL_RANK",
+    "BYTEPS_LOCAL_SIZE",
+    "TAGPS_DIST_PORT",
+)
+
+
+class LaunchError(RuntimeError):
+    """A child process could not be started."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of a job.
+
+    Args:
+        label: prefix of its output lines, e.g. ``"worker 0.1"``.
+        argv: the command; ``argv[0]`` is looked up on ``PATH``.
+        env: its complete environment.
+        service: ``True`` for schedulers and servers: the job is over when every non-service process has
+            exited with status 0, and services still running then get the grace period to exit on their own
+            before they are stopped.
+    """
+
+    label: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(repr=False)
+    service: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError(f"process {self.label!r} has an empty command")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Return ``count`` distinct TCP ports that are free on ``host`` right now.
+
+    All sockets are held open until every port is chosen so the ports differ; another program may still
+    take one before the child binds it, as with any free-port probe.
+    """
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _exit_status(code: int, status: int) -> int:
+    """Map a ``waitid`` result to a shell-style exit status (128 + signal for a killed process)."""
+    return status if code == os.CLD_EXITED else 128 + status
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec: keep it to one system call
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class _Child:
+    """A started process: its pipe, the unfinished last line, and its exit status once observed."""
+
+    def __init__(self, spec: ProcessSpec) -> None:
+        self.spec = spec
+        self.prefix = f"[{spec.label}] ".encode()
+        try:
+            self.proc = subprocess.Popen(
+                spec.argv,
+                env=dict(spec.env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_set_pdeathsig,
+            )
+        except OSError as exc:
+            raise LaunchError(f"cannot start {spec.label} ({' '.join(spec.argv)}): {exc}") from exc
+        assert self.proc.stdout is not None
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.partial = b""
+        self.status: int | None = None
+
+    def exited(self) -> bool:
+        """Observe (without reaping) whether the process has exited; record its status."""
+        if self.status is None:
+            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is not None and info.si_pid == self.proc.pid:
+                self.status = _exit_status(info.si_code, info.si_status)
+        return self.status is not None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's whole process group (the leader may be a zombie: that is fine)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class _Supervisor:
+    """The event loop of :func:`run_processes`: stream output, watch exits, stop everything."""
+
+    def __init__(self, specs: Sequence[ProcessSpec], out: BinaryIO, grace: float) -> None:
+        self.out: BinaryIO | None = out
+        self.grace = grace
+        self.children: list[_Child] = []
+        self.selector = selectors.DefaultSelector()
+        self.signalled: int | None = None
+        self.failure: int | None = None
+        self.specs = specs
+
+    def emit(self, data: bytes) -> None:
+        """Write to the output; once it is gone (a closed pipe) drop output but keep supervising."""
+        if self.out is None:
+            return
+        try:
+            self.out.write(data)
+            self.out.flush()
+        except OSError:
+            self.out = None
+
+    def log(self, message: str) -> None:
+        self.emit(f"[bpslaunch] {message}\n".encode())
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signalled is None:
+            self.signalled = signum
+
+    def pump(self, timeout: float) -> None:
+        """Forward whatever output is ready within ``timeout`` seconds, prefixed, whole lines only."""
+        if not self.selector.get_map():
+            time.sleep(timeout)
+            return
+        lines = []
+        for key, _ in self.selector.select(timeout):
+            child: _Child = key.data
+            try:
+                data = os.read(child.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not data:
+                self.selector.unregister(child.fd)
+                if child.partial:
+                    lines.append(child.prefix + child.partial + b"\n")
+                    child.partial = b""
+                continue
+            *complete, child.partial = (child.partial + data).split(b"\n")
+            lines.extend(child.prefix + line + b"\n" for line in complete)
+        if lines:
+            self.emit(b"".join(lines))
+
+    def wait_until(self, done: Callable[[], bool], timeout: float, interruptible: bool = False) -> bool:
+        """Pump output until ``done()``, ``timeout`` seconds, or (if ``interruptible``) a signal; return
+        ``done()``."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or (interruptible and self.signalled is not None):
+                return done()
+            self.pump(min(0.05, left))
+        return True
+
+    def run(self) -> int:
+        stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        handlers = {s: signal.signal(s, self._on_signal) for s in stop_signals}
+        try:
+            try:
+                for spec in self.specs:
+                    child = _Child(spec)
+                    self.children.append(child)
+                    self.selector.register(child.fd, selectors.EVENT_READ, child)
+                self._supervise()
+            except LaunchError as exc:
+                self.log(str(exc))
+                self.failure = 127
+            finally:
+                status = self._teardown()
+            return status
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            self.selector.close()
+
+    def _supervise(self) -> None:
+        """Return when the job has succeeded, failed, or been interrupted."""
+        reported: set[int] = set()
+        mains = [c for c in self.children if not c.spec.service]
+        services = [c for c in self.children if c.spec.service]
+        while self.signalled is None:
+            for i, child in enumerate(self.children):
+                if i in reported or not child.exited():
+                    continue
+                reported.add(i)
+                if child.status != 0:
+                    self.log(f"{child.spec.label} exited with status {child.status}; stopping the job")
+                    self.failure = child.status
+                    return
+            if all(c.exited() for c in mains):
+                if self.wait_until(lambda: all(c.exited() for c in services), self.grace, interruptible=True):
+                    bad = next((c for c in services if c.status != 0), None)
+                    if bad is not None:
+                        self.log(f"{bad.spec.label} exited with status {bad.status}")
+                        self.failure = bad.status
+                return
+            self.pump(0.05)
+        self.log(f"received {signal.Signals(self.signalled).name}; stopping the job")
+
+    def _teardown(self) -> int:
+        """Stop every process group (TERM, grace, KILL), reap, drain output; return the job's status."""
+        running = [c for c in self.children if not c.exited()]
+        for child in running:
+            child.signal_group(signal.SIGTERM)
+        if running:
+            self.wait_until(lambda: all(c.exited() for c in running), self.grace)
+        for child in self.children:
+            child.signal_group(signal.SIGKILL)  # stragglers in the group, and leaders past the grace
+        for child in self.children:
+            child.proc.wait()
+        # Every writer of the pipes is dead now, so this ends promptly.
+        self.wait_until(lambda: not self.selector.get_map(), 5.0)
+        for child in self.children:
+            child.proc.stdout.close()  # type: ignore[union-attr]
+        if self.failure is not None:
+            return self.failure
+        if self.signalled is not None:
+            return 128 + self.signalled
+        return 0
+
+
+def run_processes(specs: Sequence[ProcessSpec], *, out: BinaryIO | None = None, grace: float = 5.0) -> int:
+    """Start ``specs``, stream their output and supervise them until the job ends; return its status.
+
+    The status is 0 when every non-service process and every service exited with 0; otherwise the status
+    of the first process seen to fail (128 + N for a process killed by signal N; 127 when a command cannot
+    be started; 128 + N when bpslaunch itself received signal N). Must be called from the main thread
+    (it installs handlers for ``SIGINT``, ``SIGTERM`` and ``SIGHUP`` while it runs).
+
+    Args:
+        specs: the processes, started in this order.
+        out: binary stream for the prefixed output (default: standard output).
+        grace: seconds a process gets between ``SIGTERM`` and ``SIGKILL``, and services get to exit on
+            their own once the workers are done (default 5).
+
+    Returns:
+        The job's exit status.
+    """
+    if not specs:
+        raise ValueError("no processes to run")
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0, got {grace}")
+    return _Supervisor(specs, out if out is not None else sys.stdout.buffer, grace).run()
+
+
+def _service_argv(role: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", f"tagps.{role}")
+
+
+def _child_env(base: Mapping[str, str], **layout: object) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in _LAYOUT_VARS}
+    env.setdefault("PYTHONUNBUFFERED", "1")  # stream a Python child's lines as they are printed
+    env.update({k: str(v) for k, v in layout.items()})
+    return env
+
+
+def local_job(
+    command: Sequence[str],
+    num_workers: int,
+    num_servers: int,
+    local_size: int,
+    env: Mapping[str, str] = os.environ,
+    host: str = "127.0.0.1",
+) -> list[ProcessSpec]:
+    """Describe a whole job on one machine: scheduler, servers, and workers × local ranks.
+
+    With ``num_servers == 0`` (an all-reduce-only job) neither a scheduler nor servers are started; the
+    workers still get ``DMLC_PS_ROOT_URI``/``DMLC_PS_ROOT_PORT`` and a free ``TAGPS_DIST_PORT`` for
+    ``torch.distributed`` rendezvous.
+
+    Args:
+        command: the worker command.
+        num_workers: worker machines ``W`` (``DMLC_NUM_WORKER``), >= 1.
+        num_servers: servers ``S`` (``DMLC_NUM_SERVER``), >= 0.
+        local_size: processes per worker machine ``L`` (``BYTEPS_LOCAL_SIZE``), >= 1.
+        env: the environment the children inherit (layout variables are replaced).
+        host: address every node binds to.
+
+    Returns:
+        The scheduler and servers (``service=True``) followed by the workers, machine-major.
+    """
+    if not command:
+        raise ValueError("--local needs a worker command after --")
+    for name, value, least in (
+        ("--local", num_workers, 1),
+        ("--servers", num_servers, 0),
+        ("--local-size", local_size, 1),
+    ):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    root_port, dist_port = free_ports(2, host)
+    common = dict(
+        DMLC_NUM_WORKER=num_workers,
+        DMLC_NUM_SERVER=num_servers,
+        DMLC_PS_ROOT_URI=host,
+        DMLC_PS_ROOT_PORT=root_port,
+        DMLC_NODE_HOST=host,
+    )
+    specs = []
+    if num_servers:
+        specs.append(
+            ProcessSpec(
+                "scheduler",
+                _service_argv("scheduler"),
+                _child_env(env, DMLC_ROLE="scheduler", **common),
+                service=True,
+            )
+        )
+        specs += [
+            ProcessSpec(
+                f"server {s}",
+                _service_argv("server"),
+                _child_env(env, DMLC_ROLE="server", **common),
+                service=True,
+            )
+            for s in range(num_servers)
+        ]
+    for w in range(num_workers):
+        for r in range(local_size):
+            worker_env = _child_env(
+                env,
+                DMLC_ROLE="worker",
+                DMLC_WORKER_ID=w,
+                BYTEPS_LOCAL_RANK=r,
+                BYTEPS_LOCAL_SIZE=local_size,
+                TAGPS_DIST_PORT=dist_port,
+                **common,
+            )
+            specs.append(ProcessSpec(f"worker {w}.{r}", tuple(command), worker_env))
+    return specs
+
+
+def role_job(command: Sequence[str], env: Mapping[str, str] = os.environ) -> list[ProcessSpec]:
+    """Describe what this machine runs in role mode (``DMLC_ROLE``), validating its variables first.
+
+    Raises:
+        ConfigError: a variable is missing or malformed (the message names it).
+        ValueError: a worker machine was given no command.
+    """
+    cfg = launcher_config(env)
+    if cfg.role != "worker":
+        ps_config(env)
+        return [ProcessSpec(cfg.role, _service_argv(cfg.role), _child_env(env, **_layout(env)))]
+    if not command:
+        raise ValueError("DMLC_ROLE=worker needs the training command, e.g. bpslaunch python train.py")
+    rank0 = {**env, "BYTEPS_LOCAL_RANK": "0", "BYTEPS_LOCAL_SIZE": str(cfg.local_size)}
+    layout = comm_config(rank0)
+    if layout.num_server > 0:
+        ps_config(rank0)
+    return [
+        ProcessSpec(
+            f"worker {layout.worker_id}.{r}",
+            tuple(command),
+            _child_env(env, **_layout(env), BYTEPS_LOCAL_RANK=r, BYTEPS_LOCAL_SIZE=cfg.local_size),
+        )
+        for r in range(cfg.local_size)
+    ]
+
+
+def _layout(env: Mapping[str, str]) -> dict[str, str]:
+    """The layout variables of ``env`` that are set (role mode passes them through unchanged)."""
+    return {k: env[k] for k in _LAYOUT_VARS if k in env}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bpslaunch",
+        description="Start the processes of a tagps (BytePS-style) job and supervise them.",
+        epilog="Role mode reads DMLC_ROLE and the other DMLC_*/BYTEPS_* variables (docs/environment.md); "
+        "local mode: bpslaunch --local 2 --servers 1 -- python train.py",
+    )
+    p.add_argument("--local", type=int, metavar="W", help="run a whole job on 127.0.0.1: W worker machines")
+    p.add_argument("--servers", type=int, metavar="S", help="servers in local mode (default 1)")
+    p.add_argument(
+        "--local-size",
+        type=int,
+        metavar="L",
+        help="processes per worker machine in local mode (default: as BYTEPS_LOCAL_SIZE)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="time between SIGTERM and SIGKILL when stopping (default 5)",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``bpslaunch`` and return its exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.local is None and (args.local_size is not None or args.servers is not None):
+        parser.error("--servers and --local-size only apply with --local")
+    try:
+        if args.local is not None:
+            local_size = args.local_size or launcher_config(os.environ, local=True).local_size
+            servers = 1 if args.servers is None else args.servers
+            specs = local_job(command, args.local, servers, local_size)
+        else:
+            specs = role_job(command)
+            if specs[0].service and command:
+                print(f"bpslaunch: DMLC_ROLE={specs[0].label} ignores the command", file=sys.stderr)
+        return run_processes(specs, grace=args.grace)
+    except (ConfigError, ValueError) as exc:
+        print(f"bpslaunch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
