@@ -1,0 +1,102 @@
+"""The device-type table: peak FP32 FLOP/s, memory and memory bandwidth of the devices TAG plans for.
+
+Per-op time is a roofline estimate (see ``docs/simulator.md``):
+
+.. math::
+    t_{op}(b) = \\max\\Big(\\frac{F_{op}\\,b}{P\\,\\eta},\\ \\frac{M_{op} + D_{op}\\,b}{W\\,\\eta_m}\\Big) + o
+
+with ``F`` FLOPs and ``D`` bytes moved per sample, ``M`` parameter bytes, ``P`` peak FLOP/s, ``W`` memory
+bandwidth, ``η``/``η_m`` efficiency factors and ``o`` a fixed per-op launch overhead. The efficiency
+factors are the calibrated constants; :func:`calibrated` returns a copy with new ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["DEVICE_TYPES", "DeviceType", "calibrated", "device_type"]
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """One kind of device.
+
+    Args:
+        name: table key (``"V100-32GB"``).
+        peak_flops: peak FP32 FLOP/s.
+        memory_bytes: device memory.
+        memory_bandwidth: bytes/s of device memory.
+        efficiency: fraction of ``peak_flops`` that compute-bound ops reach.
+        memory_efficiency: fraction of ``memory_bandwidth`` that memory-bound ops reach.
+        op_overhead_s: fixed time per op (kernel launch, framework dispatch).
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: int
+    memory_bandwidth: float
+    efficiency: float = 0.6
+    memory_efficiency: float = 0.7
+    op_overhead_s: float = 8e-6
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("device type name must not be empty")
+        for field in ("peak_flops", "memory_bytes", "memory_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"device type {self.name!r}: {field} must be > 0")
+        for field in ("efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"device type {self.name!r}: {field} must be in (0, 1]")
+        if self.op_overhead_s < 0:
+            raise ValueError(f"device type {self.name!r}: op_overhead_s must be >= 0")
+
+    def op_time(self, flops: float, bytes_moved: float) -> float:
+        """Return the roofline time in seconds of one op that does ``flops`` and moves ``bytes_moved``."""
+        return (
+            max(flops / (self.peak_flops * self.efficiency),
+                bytes_moved / (self.memory_bandwidth * self.memory_efficiency))
+            + self.op_overhead_s
+        )
+
+
+# Vendor figures (FP32, no tensor cores); the CPU row is the 2-core AVX2/FMA EPYC these tests run on
+# (2 cores x 2.5 GHz x 32 FLOP/cycle) with its measured ~17 GB/s copy bandwidth.
+DEVICE_TYPES: dict[str, DeviceType] = {
+    d.name: d
+    for d in (
+        DeviceType("V100-32GB", 15.7e12, 32 * GIB, 900e9),
+        DeviceType("V100-16GB", 15.7e12, 16 * GIB, 900e9),
+        DeviceType("1080Ti", 11.3e12, 11 * GIB, 484e9),
+        DeviceType("P100", 9.3e12, 16 * GIB, 732e9),
+        DeviceType("T4", 8.1e12, 16 * GIB, 320e9),
+        DeviceType("A100", 19.5e12, 40 * GIB, 1555e9),
+        DeviceType("H100", 51.2e12, 80 * GIB, 2000e9),
+        DeviceType("CPU", 160e9, 24 * GIB, 17e9, efficiency=0.5, memory_efficiency=0.5, op_overhead_s=20e-6),
+    )
+}
+
+
+def device_type(name: str) -> DeviceType:
+    """Return the table entry ``name``; raise ValueError listing the known types otherwise."""
+    try:
+        return DEVICE_TYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown device type {name!r}; known: {', '.join(DEVICE_TYPES)}") from None
+
+
+def calibrated(base: DeviceType, **constants: float) -> DeviceType:
+    """Return ``base`` with new calibration constants.
+
+    Args:
+        base: the table entry.
+        constants: ``efficiency``, ``memory_efficiency`` and/or ``op_overhead_s``.
+    """
+    allowed = {"efficiency", "memory_efficiency", "op_overhead_s"}
+    unknown = set(constants) - allowed
+    if unknown:
+        raise ValueError(f"not calibration constants: {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return dataclasses.replace(base, **constants)

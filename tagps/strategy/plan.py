@@ -1,0 +1,352 @@
+"""The strategy IR: what the search produces, the simulator costs and the runtime executes.
+
+A plan is a versioned JSON document (format in ``docs/plan.md``):
+
+- ``topology``: the device groups and bandwidths it was made for (:class:`~tagps.strategy.topology.Topology`);
+- ``groups``: op groups, each with its op names, a ``placement`` (non-empty subset of device groups) and an
+  ``option`` in {allreduce, ps, duplicate, mp};
+- ``gradients``: per parameter, keyed by its fully qualified name from ``model.named_parameters()``, the op
+  group that owns it and ``sync`` in {allreduce, ps, sfb, none} (and, for sfb, the duplicated ops);
+- ``batch_shares``: samples of the global batch per device (``"<group>:<index>"``), summing to ``batch_size``;
+- ``kind``: ``"data-parallel"`` (every op group on the same devices, replicated; what the first runtime
+  executes) or ``"general"``;
+- ``predicted``: iteration time, peak memory per device and the baseline compared against.
+
+This module imports neither torch nor the runtime: both the search and the runtime import it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tagps.strategy.topology import Topology
+
+__all__ = [
+    "KINDS",
+    "OPTIMIZERS",
+    "OPTIONS",
+    "PLAN_VERSION",
+    "SYNCS",
+    "SYNC_ALLOWED",
+    "CommSettings",
+    "GradientSync",
+    "OpGroupPlan",
+    "Plan",
+    "PlanError",
+    "Prediction",
+    "load",
+]
+
+PLAN_VERSION = 1
+OPTIONS = ("allreduce", "ps", "duplicate", "mp")
+SYNCS = ("allreduce", "ps", "sfb", "none")
+KINDS = ("data-parallel", "general")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+# Which gradient sync methods each op-group option admits.
+SYNC_ALLOWED: dict[str, tuple[str, ...]] = {
+    "allreduce": ("allreduce", "sfb"),
+    "ps": ("ps", "sfb"),
+    "duplicate": ("none",),
+    "mp": ("none",),
+}
+
+
+class PlanError(ValueError):
+    """A plan document is malformed; the message names the offending entry."""
+
+
+@dataclass(frozen=True)
+class OpGroupPlan:
+    """Placement and replication of one op group.
+
+    Args:
+        ops: names of the graph ops in the group.
+        placement: device-group names the group runs on (non-empty, no repeats).
+        option: ``allreduce``/``ps`` (replicate, batch split, sync gradients), ``duplicate`` (full batch on
+            every device, no sync) or ``mp`` (ops split over the devices with METIS).
+    """
+
+    ops: tuple[str, ...]
+    placement: tuple[str, ...]
+    option: str
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """How one parameter's gradient is synchronised.
+
+    Args:
+        group: index of the op group that owns the parameter.
+        sync: ``allreduce``, ``ps``, ``sfb`` or ``none``.
+        sfb_ops: for ``sfb``, the ops duplicated so that only their inputs (the sufficient factors) travel.
+    """
+
+    group: int
+    sync: str
+    sfb_ops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CommSettings:
+    """Scheduling of gradient synchronisation.
+
+    Args:
+        overlap: start a gradient's sync as soon as backward produced it (else after the whole backward).
+        fusion_bytes: fuse consecutive all-reduces up to this many bytes (0: no fusion).
+    """
+
+    overlap: bool = True
+    fusion_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicted for the plan.
+
+    Args:
+        iteration_time_s: simulated time of one training iteration.
+        peak_memory_bytes: per device.
+        baseline: name of the baseline strategy compared against.
+        baseline_time_s: its simulated iteration time.
+    """
+
+    iteration_time_s: float
+    peak_memory_bytes: dict[str, int] = field(default_factory=dict)
+    baseline: str = ""
+    baseline_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete strategy; see the module docstring. Build with the constructor, then :meth:`validate`."""
+
+    topology: Topology
+    model: str
+    batch_size: int
+    groups: tuple[OpGroupPlan, ...]
+    gradients: dict[str, GradientSync]
+    batch_shares: dict[str, int]
+    kind: str = "general"
+    optimizer: str = "adam"
+    comm: CommSettings = CommSettings()
+    ps_servers: tuple[str, ...] = ()
+    predicted: Prediction | None = None
+    version: int = PLAN_VERSION
+
+    # ------------------------------------------------------------------ queries
+    def devices(self) -> list[str]:
+        """Devices with a non-zero batch share, in topology order."""
+        return [d for d in self.topology.devices() if self.batch_shares.get(d, 0) > 0]
+
+    def sync_of(self, param: str) -> str:
+        """Sync method of parameter ``param``; KeyError naming it when the plan does not have it."""
+        try:
+            return self.gradients[param].sync
+        except KeyError:
+            raise KeyError(f"plan has no gradient entry for parameter {param!r}") from None
+
+    def sync_map(self) -> dict[str, str]:
+        """``{parameter name: sync method}`` for every gradient (the runtime's view)."""
+        return {name: g.sync for name, g in self.gradients.items()}
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> Plan:
+        """Check the plan; raise :class:`PlanError` naming the offending entry. Returns ``self``."""
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"plan version {self.version!r} is not supported (reads {PLAN_VERSION})")
+        if self.kind not in KINDS:
+            raise PlanError(f"kind {self.kind!r} is not one of {KINDS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise PlanError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if not isinstance(self.comm.overlap, bool):
+            raise PlanError(f"comm.overlap must be a boolean, got {self.comm.overlap!r}")
+        fb = self.comm.fusion_bytes
+        if isinstance(fb, bool) or not isinstance(fb, int) or fb < 0:
+            raise PlanError(f"comm.fusion_bytes must be an integer >= 0, got {fb!r}")
+        group_names = {g.name for g in self.topology.groups}
+        if not self.groups:
+            raise PlanError("plan has no op groups")
+        seen_ops: dict[str, int] = {}
+        for i, g in enumerate(self.groups):
+            if g.option not in OPTIONS:
+                raise PlanError(f"groups[{i}]: option {g.option!r} is not one of {OPTIONS}")
+            if not g.placement:
+                raise PlanError(f"groups[{i}]: empty placement")
+            if len(set(g.placement)) != len(g.placement):
+                raise PlanError(f"groups[{i}]: placement {list(g.placement)} repeats a device group")
+            for dg in g.placement:
+                if dg not in group_names:
+                    raise PlanError(f"groups[{i}]: unknown device group {dg!r} in placement")
+            for op in g.ops:
+                if op in seen_ops:
+                    raise PlanError(f"groups[{i}]: op {op!r} is already in groups[{seen_ops[op]}]")
+                seen_ops[op] = i
+        for name, grad in self.gradients.items():
+            if not isinstance(grad.group, int) or not 0 <= grad.group < len(self.groups):
+                raise PlanError(f"gradient {name!r}: group {grad.group!r} is not an op group index")
+            if grad.sync not in SYNCS:
+                raise PlanError(f"gradient {name!r}: sync {grad.sync!r} is not one of {SYNCS}")
+            option = self.groups[grad.group].option
+            if grad.sync not in SYNC_ALLOWED[option]:
+                raise PlanError(f"gradient {name!r}: sync {grad.sync!r} not allowed for option {option!r} of "
+                                f"groups[{grad.group}] (allowed: {', '.join(SYNC_ALLOWED[option])})")
+            if grad.sfb_ops and grad.sync != "sfb":
+                raise PlanError(f"gradient {name!r}: sfb_ops given but sync is {grad.sync!r}")
+        devices = set(self.topology.devices())
+        for dev, share in self.batch_shares.items():
+            if dev not in devices:
+                raise PlanError(f"batch_shares: unknown device {dev!r}")
+            if isinstance(share, bool) or not isinstance(share, int) or share < 0:
+                raise PlanError(f"batch_shares[{dev!r}]: share must be an integer >= 0, got {share!r}")
+        total = sum(self.batch_shares.values())
+        if total != self.batch_size:
+            raise PlanError(f"batch_shares sum to {total}, not to batch_size {self.batch_size}")
+        for i, g in enumerate(self.groups):
+            if g.option in ("allreduce", "ps") and not any(
+                self.batch_shares.get(f"{dg}:{k}", 0) > 0
+                for dg in g.placement for k in range(self.topology.group(dg).count)
+            ):
+                raise PlanError(f"groups[{i}]: replicated on {list(g.placement)} but none of their devices "
+                                "has a batch share")
+        for dg in self.ps_servers:
+            if dg not in group_names:
+                raise PlanError(f"ps_servers: unknown device group {dg!r}")
+        if self.kind == "data-parallel":
+            first = set(self.groups[0].placement)
+            for i, g in enumerate(self.groups):
+                if set(g.placement) != first or g.option not in ("allreduce", "ps"):
+                    raise PlanError(f"groups[{i}]: a data-parallel plan replicates every group "
+                                    "(allreduce/ps) "
+                                    f"on the same device groups {sorted(first)}")
+            used = {d.split(":", 1)[0] for d, s in self.batch_shares.items() if s > 0}
+            if not used <= first:
+                raise PlanError(f"batch_shares: devices of {sorted(used - first)} have shares but no "
+                                "op group "
+                                "runs there")
+        return self
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON-ready form."""
+        return {
+            "version": self.version,
+            "kind": self.kind,
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "comm": {"overlap": self.comm.overlap, "fusion_bytes": self.comm.fusion_bytes},
+            "ps_servers": list(self.ps_servers),
+            "topology": self.topology.to_dict(),
+            "groups": [{"ops": list(g.ops), "placement": list(g.placement), "option": g.option}
+                       for g in self.groups],
+            "gradients": {
+                name: ({"group": g.group, "sync": g.sync, "sfb_ops": list(g.sfb_ops)} if g.sfb_ops
+                       else {"group": g.group, "sync": g.sync})
+                for name, g in self.gradients.items()
+            },
+            "batch_shares": dict(self.batch_shares),
+            "predicted": None if self.predicted is None else {
+                "iteration_time_s": self.predicted.iteration_time_s,
+                "peak_memory_bytes": dict(self.predicted.peak_memory_bytes),
+                "baseline": self.predicted.baseline,
+                "baseline_time_s": self.predicted.baseline_time_s,
+            },
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """Return the plan as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan to ``path`` as JSON."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Build a plan from its dict form and validate it; :class:`PlanError` names what is wrong."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        required = {"version", "kind", "model", "batch_size", "topology", "groups", "gradients",
+                    "batch_shares"}
+        missing = required - set(data)
+        if missing:
+            raise PlanError(f"plan is missing {sorted(missing)}")
+        unknown = set(data) - required - {"optimizer", "comm", "ps_servers", "predicted"}
+        if unknown:
+            raise PlanError(f"plan has unknown keys {sorted(unknown)}")
+        if data["version"] != PLAN_VERSION:
+            raise PlanError(f"plan version {data['version']!r} is not supported (reads {PLAN_VERSION})")
+        try:
+            topology = Topology.from_dict(data["topology"])
+        except ValueError as exc:
+            raise PlanError(f"topology: {exc}") from None
+        groups = []
+        if not isinstance(data["groups"], list):
+            raise PlanError("groups must be a list")
+        for i, g in enumerate(data["groups"]):
+            if not isinstance(g, Mapping) or set(g) != {"ops", "placement", "option"}:
+                raise PlanError(f"groups[{i}] must have exactly ops, placement, option")
+            if not isinstance(g["ops"], list) or not isinstance(g["placement"], list):
+                raise PlanError(f"groups[{i}]: ops and placement must be lists")
+            groups.append(OpGroupPlan(tuple(map(str, g["ops"])), tuple(map(str, g["placement"])),
+                                      g["option"]))
+        if not isinstance(data["gradients"], Mapping):
+            raise PlanError("gradients must be an object keyed by parameter name")
+        gradients = {}
+        for name, g in data["gradients"].items():
+            keys = set(g) if isinstance(g, Mapping) else set()
+            if not {"group", "sync"} <= keys or keys - {"group", "sync", "sfb_ops"}:
+                raise PlanError(f"gradient {name!r} must have group, sync and optionally sfb_ops")
+            if isinstance(g["group"], bool) or not isinstance(g["group"], int):
+                raise PlanError(f"gradient {name!r}: group must be an integer, got {g['group']!r}")
+            gradients[str(name)] = GradientSync(g["group"], g["sync"], tuple(map(str, g.get("sfb_ops", ()))))
+        if not isinstance(data["batch_shares"], Mapping):
+            raise PlanError("batch_shares must be an object keyed by device name")
+        comm_raw = data.get("comm", {})
+        if not isinstance(comm_raw, Mapping) or set(comm_raw) - {"overlap", "fusion_bytes"}:
+            raise PlanError("comm must be an object with overlap and fusion_bytes")
+        pred_raw = data.get("predicted")
+        predicted = None
+        if pred_raw is not None:
+            if not isinstance(pred_raw, Mapping) or "iteration_time_s" not in pred_raw:
+                raise PlanError("predicted must be null or an object with iteration_time_s")
+            predicted = Prediction(pred_raw["iteration_time_s"], dict(pred_raw.get("peak_memory_bytes", {})),
+                                   pred_raw.get("baseline", ""), pred_raw.get("baseline_time_s", 0.0))
+        plan = cls(
+            topology=topology, model=str(data["model"]), batch_size=data["batch_size"], groups=tuple(groups),
+            gradients=gradients, batch_shares=dict(data["batch_shares"]), kind=data["kind"],
+            optimizer=data.get("optimizer", "adam"),
+            comm=CommSettings(comm_raw.get("overlap", True), comm_raw.get("fusion_bytes", 0)),
+            ps_servers=tuple(data.get("ps_servers", ())), predicted=predicted, version=data["version"],
+        )
+        return plan.validate()
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse JSON text; see :meth:`from_dict`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def load(source: str | Path | Mapping[str, Any] | Plan) -> Plan:
+    """Return a validated plan from a path, JSON text, a dict or a plan object."""
+    if isinstance(source, Plan):
+        return source.validate()
+    if isinstance(source, Mapping):
+        return Plan.from_dict(source)
+    text = str(source)
+    if text.lstrip().startswith("{"):
+        return Plan.from_json(text)
+    path = Path(text)
+    if not path.is_file():
+        raise PlanError(f"plan file {text!r} does not exist")
+    return Plan.from_json(path.read_text())
