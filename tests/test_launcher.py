@@ -1,0 +1,484 @@
+"""bpslaunch: environment layout, output prefixes, exit status, and no process left behind.
+
+The children here are small stand-in Python scripts (they record their pid and that of a grandchild they
+start in the same process group), so the launcher's process management is tested independently of what
+it launches; the end-to-end job with the real scheduler and servers is in tests/ps.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tagps.config import ConfigError, launcher_config
+from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes
+
+TIMEOUT = 60
+
+# argv[1]: directory for pid files; argv[2]: behaviour (ok | fail:N | sleep | ignore-term | partial | env).
+# The worker with DMLC_WORKER_ID=1 and BYTEPS_LOCAL_RANK=0 (or a lone process) is the one that acts when
+# the behaviour has the form `one-BEHAVIOUR`; the others sleep.
+CHILD = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    out, mode = sys.argv[1], sys.argv[2]
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    tag = f"{os.getpid()}"
+    with open(os.path.join(out, tag + ".pid"), "w") as f:
+        json.dump({"pid": os.getpid(), "grandchild": grandchild.pid}, f)
+    me = (os.environ.get("DMLC_WORKER_ID", "1"), os.environ.get("BYTEPS_LOCAL_RANK", "0"))
+    if mode.startswith("one-"):
+        mode = mode[4:] if me == ("1", "0") else "sleep"
+    if mode == "ok":
+        print("hello from", os.getpid())
+    elif mode.startswith("fail:"):
+        time.sleep(0.3)
+        sys.exit(int(mode[5:]))
+    elif mode == "sleep":
+        time.sleep(120)
+    elif mode == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(120)
+    elif mode == "partial":
+        sys.stdout.write("no newline at the end")
+    elif mode == "env":
+        keys = [k for k in os.environ if k.startswith(("DMLC_", "BYTEPS_", "TAGPS_DIST"))]
+        print(json.dumps({k: os.environ[k] for k in keys}))
+    elif mode == "kill-self":
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> tuple[Path, Path]:
+    """Return (script, pid directory)."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    return script, pids
+
+
+def _recorded(pids: Path) -> list[int]:
+    found = []
+    for f in pids.glob("*.pid"):
+        try:
+            rec = json.loads(f.read_text())
+        except ValueError:  # being written right now
+            continue
+        found += [rec["pid"], rec["grandchild"]]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _assert_all_gone(pids: Path, expected: int) -> None:
+    recorded = _recorded(pids)
+    assert len(recorded) == 2 * expected, f"expected {expected} children to start, pid files: {recorded}"
+    # The launcher has returned, so everything must already be dead; allow only for /proc to catch up.
+    deadline = time.monotonic() + 2
+    while any(_alive(p) for p in recorded) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in recorded if _alive(p)] == []
+
+
+def _bpslaunch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tagps.launcher", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env if env is not None else _clean_env(),
+    )
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DMLC_", "BYTEPS_", "TAGPS_DIST"))
+        and k not in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+    }
+    env.update(extra)
+    return env
+
+
+def test_local_sets_the_layout_of_every_worker(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    res = _bpslaunch(
+        "--local",
+        "2",
+        "--servers",
+        "0",
+        "--local-size",
+        "2",
+        "--",
+        sys.executable,
+        str(script),
+        str(pids),
+        "env",
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    seen = {}
+    for line in res.stdout.splitlines():
+        label, _, payload = line.partition("] ")
+        seen[label.lstrip("[")] = json.loads(payload)
+    assert sorted(seen) == ["worker 0.0", "worker 0.1", "worker 1.0", "worker 1.1"]
+    ports = {(e["DMLC_PS_ROOT_PORT"], e["TAGPS_DIST_PORT"]) for e in seen.values()}
+    assert len(ports) == 1 and len(set(next(iter(ports)))) == 2
+    for label, env in seen.items():
+        w, r = label.split()[1].split(".")
+        assert env == {
+            "DMLC_ROLE": "worker",
+            "DMLC_NUM_WORKER": "2",
+            "DMLC_NUM_SERVER": "0",
+            "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": env["DMLC_PS_ROOT_PORT"],
+            "DMLC_NODE_HOST": "127.0.0.1",
+            "DMLC_WORKER_ID": w,
+            "BYTEPS_LOCAL_RANK": r,
+            "BYTEPS_LOCAL_SIZE": "2",
+            "TAGPS_DIST_PORT": env["TAGPS_DIST_PORT"],
+        }
+    _assert_all_gone(pids, 4)
+
+
+def test_local_job_describes_scheduler_servers_and_workers() -> None:
+    specs = local_job(["train"], num_workers=2, num_servers=3, local_size=2, env={"DMLC_WORKER_ID": "7"})
+    assert [s.label for s in specs] == [
+        "scheduler",
+        "server 0",
+        "server 1",
+        "server 2",
+        "worker 0.0",
+        "worker 0.1",
+        "worker 1.0",
+        "worker 1.1",
+    ]
+    assert [s.service for s in specs] == [True] * 4 + [False] * 4
+    assert specs[0].argv == (sys.executable, "-m", "tagps.scheduler")
+    assert specs[1].argv == (sys.executable, "-m", "tagps.server")
+    assert specs[1].env["DMLC_ROLE"] == "server" and "DMLC_WORKER_ID" not in specs[1].env
+    assert specs[1].env["DMLC_NUM_SERVER"] == "3" and specs[1].env["DMLC_NUM_WORKER"] == "2"
+    assert specs[-1].env["DMLC_WORKER_ID"] == "1" and specs[-1].env["BYTEPS_LOCAL_RANK"] == "1"
+    assert specs[-1].argv == ("train",)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((1, 0, 1, []), "command"),
+        ((0, 1, 1, ["x"]), "--local must be >= 1"),
+        ((1, -1, 1, ["x"]), "--servers must be >= 0"),
+        ((1, 1, 0, ["x"]), "--local-size must be >= 1"),
+    ],
+)
+def test_local_job_rejects_bad_arguments(args: tuple, message: str) -> None:
+    w, s, size, command = args
+    with pytest.raises(ValueError, match=message):
+        local_job(command, w, s, size)
+
+
+def test_success_leaves_nothing_behind(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    res = _bpslaunch(
+        "--local",
+        "2",
+        "--servers",
+        "0",
+        "--local-size",
+        "2",
+        "--",
+        sys.executable,
+        str(script),
+        str(pids),
+        "ok",
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(line.split("]")[0] for line in res.stdout.splitlines()) == [
+        "[worker 0.0",
+        "[worker 0.1",
+        "[worker 1.0",
+        "[worker 1.1",
+    ]
+    _assert_all_gone(pids, 4)
+
+
+def test_failing_worker_stops_the_job_with_its_status(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    start = time.monotonic()
+    res = _bpslaunch(
+        "--local",
+        "2",
+        "--servers",
+        "0",
+        "--local-size",
+        "2",
+        "--grace",
+        "2",
+        "--",
+        sys.executable,
+        str(script),
+        str(pids),
+        "one-fail:7",
+    )
+    assert res.returncode == 7, res.stdout + res.stderr
+    assert "worker 1.0 exited with status 7; stopping the job" in res.stdout
+    assert time.monotonic() - start < 20  # the sleepers (120 s) were stopped, not waited for
+    _assert_all_gone(pids, 4)
+
+
+def test_worker_killed_by_a_signal_gives_128_plus_signal(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    res = _bpslaunch(
+        "--local", "2", "--servers", "0", "--", sys.executable, str(script), str(pids), "one-kill-self"
+    )
+    assert res.returncode == 128 + signal.SIGKILL, res.stdout + res.stderr
+    _assert_all_gone(pids, 2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_bpslaunch_tears_everything_down(child: tuple[Path, Path], sig: signal.Signals) -> None:
+    script, pids = child
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tagps.launcher",
+            "--local",
+            "2",
+            "--servers",
+            "0",
+            "--local-size",
+            "2",
+            "--grace",
+            "2",
+            "--",
+            sys.executable,
+            str(script),
+            str(pids),
+            "sleep",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_clean_env(),
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(_recorded(pids)) < 8 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert len(_recorded(pids)) == 8
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, out
+    assert f"received {sig.name}" in out
+    _assert_all_gone(pids, 4)
+
+
+def test_sigkill_of_bpslaunch_still_kills_the_workers(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tagps.launcher",
+            "--local",
+            "1",
+            "--servers",
+            "0",
+            "--local-size",
+            "2",
+            "--",
+            sys.executable,
+            str(script),
+            str(pids),
+            "sleep",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_clean_env(),
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while len(_recorded(pids)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=TIMEOUT)
+    workers = [json.loads(f.read_text())["pid"] for f in pids.glob("*.pid")]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in workers if _alive(p)] == []  # PR_SET_PDEATHSIG: the direct children die with it
+    for rec in map(json.loads, (f.read_text() for f in pids.glob("*.pid"))):
+        if _alive(rec["grandchild"]):  # out of bpslaunch's reach once it is SIGKILLed; clean up
+            os.kill(rec["grandchild"], signal.SIGKILL)
+
+
+def _spec(label: str, script: Path, pids: Path, mode: str, service: bool = False) -> ProcessSpec:
+    return ProcessSpec(label, (sys.executable, str(script), str(pids), mode), _clean_env(), service=service)
+
+
+def test_services_are_stopped_after_the_workers_succeed(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    out = io.BytesIO()
+    specs = [
+        _spec("scheduler", script, pids, "sleep", service=True),
+        _spec("server 0", script, pids, "ignore-term", service=True),
+        _spec("worker 0.0", script, pids, "ok"),
+    ]
+    start = time.monotonic()
+    assert run_processes(specs, out=out, grace=0.5) == 0
+    # grace to exit on their own, SIGTERM, grace again, then SIGKILL for the one that ignores SIGTERM
+    assert time.monotonic() - start < 15
+    assert b"[worker 0.0] hello from" in out.getvalue()
+    _assert_all_gone(pids, 3)
+
+
+def test_a_failing_service_fails_the_job(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    out = io.BytesIO()
+    specs = [
+        _spec("server 0", script, pids, "fail:5", service=True),
+        _spec("worker 0.0", script, pids, "sleep"),
+    ]
+    assert run_processes(specs, out=out, grace=1) == 5
+    assert b"[bpslaunch] server 0 exited with status 5; stopping the job" in out.getvalue()
+    _assert_all_gone(pids, 2)
+
+
+def test_unfinished_last_line_is_still_prefixed(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    out = io.BytesIO()
+    assert run_processes([_spec("worker 0.0", script, pids, "partial")], out=out, grace=1) == 0
+    assert out.getvalue() == b"[worker 0.0] no newline at the end\n"
+
+
+def test_missing_command_is_127_and_stops_what_started(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    out = io.BytesIO()
+    specs = [
+        _spec("worker 0.0", script, pids, "sleep"),
+        ProcessSpec("worker 0.1", ("/nonexistent/tagps-no-such-command",), _clean_env()),
+    ]
+    assert run_processes(specs, out=out, grace=1) == 127
+    assert b"cannot start worker 0.1" in out.getvalue()
+    # The first worker may be stopped before it records its pids; whatever it recorded must be dead.
+    assert [p for p in _recorded(pids) if _alive(p)] == []
+
+
+def test_run_processes_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="no processes"):
+        run_processes([])
+    with pytest.raises(ValueError, match="grace"):
+        run_processes([ProcessSpec("w", ("true",), {})], grace=-1)
+    with pytest.raises(ValueError, match="empty command"):
+        ProcessSpec("w", (), {})
+
+
+def test_role_worker_starts_local_size_ranks(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    env = _clean_env(
+        DMLC_ROLE="worker",
+        DMLC_NUM_WORKER="2",
+        DMLC_WORKER_ID="1",
+        DMLC_NUM_SERVER="0",
+        NVIDIA_VISIBLE_DEVICES="0,1,2",
+    )
+    res = _bpslaunch(sys.executable, str(script), str(pids), "env", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = sorted(res.stdout.splitlines())
+    assert [line.split("]")[0] for line in lines] == ["[worker 1.0", "[worker 1.1", "[worker 1.2"]
+    for r, line in enumerate(lines):
+        layout = json.loads(line.partition("] ")[2])
+        assert layout["BYTEPS_LOCAL_RANK"] == str(r) and layout["BYTEPS_LOCAL_SIZE"] == "3"
+        assert layout["DMLC_WORKER_ID"] == "1" and layout["DMLC_ROLE"] == "worker"
+    _assert_all_gone(pids, 3)
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({}, "DMLC_ROLE"),
+        ({"DMLC_ROLE": "boss"}, "DMLC_ROLE"),
+        ({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "two"}, "DMLC_NUM_WORKER"),
+        ({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "2"}, "DMLC_WORKER_ID"),
+        ({"DMLC_ROLE": "worker", "BYTEPS_LOCAL_SIZE": "0"}, "BYTEPS_LOCAL_SIZE"),
+        ({"DMLC_ROLE": "worker", "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}, "DMLC_PS_ROOT_URI"),
+        ({"DMLC_ROLE": "server", "DMLC_NUM_WORKER": "1"}, "DMLC_NUM_SERVER"),
+        (
+            {
+                "DMLC_ROLE": "scheduler",
+                "DMLC_NUM_WORKER": "1",
+                "DMLC_NUM_SERVER": "1",
+                "DMLC_PS_ROOT_URI": "127.0.0.1",
+                "DMLC_PS_ROOT_PORT": "99999",
+            },
+            "DMLC_PS_ROOT_PORT",
+        ),
+    ],
+)
+def test_bad_variables_exit_nonzero_naming_them(env: dict[str, str], variable: str) -> None:
+    res = _bpslaunch("true", env=_clean_env(**env))
+    assert res.returncode == 2
+    assert variable in res.stderr and res.stdout == ""
+
+
+def test_role_job_for_servers_runs_the_service_module() -> None:
+    env = {
+        "DMLC_ROLE": "server",
+        "DMLC_NUM_WORKER": "1",
+        "DMLC_NUM_SERVER": "1",
+        "DMLC_PS_ROOT_URI": "127.0.0.1",
+        "DMLC_PS_ROOT_PORT": "9000",
+    }
+    (spec,) = role_job(["ignored"], env)
+    assert spec.argv == (sys.executable, "-m", "tagps.server") and spec.env["DMLC_ROLE"] == "server"
+
+
+@pytest.mark.parametrize(
+    ("env", "size"),
+    [
+        ({}, 1),
+        ({"NVIDIA_VISIBLE_DEVICES": "0,1,2,3"}, 4),
+        ({"NVIDIA_VISIBLE_DEVICES": "0,1,2,3", "CUDA_VISIBLE_DEVICES": "1"}, 1),
+        ({"CUDA_VISIBLE_DEVICES": ""}, 1),
+        ({"NVIDIA_VISIBLE_DEVICES": "none"}, 1),
+        ({"NVIDIA_VISIBLE_DEVICES": "0,1", "BYTEPS_LOCAL_SIZE": "3"}, 3),
+    ],
+)
+def test_local_size_defaults_to_visible_devices(env: dict[str, str], size: int) -> None:
+    assert launcher_config(env, local=True).local_size == size
+
+
+def test_visible_devices_all_asks_for_local_size() -> None:
+    with pytest.raises(ConfigError, match=r"NVIDIA_VISIBLE_DEVICES.*BYTEPS_LOCAL_SIZE"):
+        launcher_config({"NVIDIA_VISIBLE_DEVICES": "all"}, local=True)
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5 and all(0 < p < 65536 for p in ports)
+
+
+def test_launch_options_need_local() -> None:
+    res = _bpslaunch("--servers", "2", "true", env=_clean_env(DMLC_ROLE="worker"))
+    assert res.returncode == 2 and "only apply with --local" in res.stderr
