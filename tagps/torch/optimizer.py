@@ -1,0 +1,335 @@
+"""``DistributedOptimizer``: wrap a torch optimizer so each gradient is synchronised by its own method.
+
+Horovod's protocol (hooks that start a gradient's sync during backward, ``synchronize()``,
+``skip_synchronize()``, the ``zero_grad`` guard, ``backward_passes_per_step``, compression), carried out by
+``Tensor.register_post_accumulate_grad_hook`` and a wrapper object rather than a generated subclass.
+
+Collective methods (``allreduce``, ``sfb``) must be issued in the same order on every worker, so they are
+started in one fixed order (reverse registration, the usual order of backward) as soon as every earlier
+one is ready; ``ps`` gradients are keyed by name and start the moment they are ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tagps.comm.handle import Handle
+from tagps.comm.sfb import SufficientFactors
+from tagps.torch import ops
+from tagps.torch.compression import Compressor, NoneCompressor
+from tagps.torch.strategy import resolve_strategy
+
+__all__ = ["Average", "DistributedOptimizer", "ReduceOp", "Sum"]
+
+
+class ReduceOp(enum.Enum):
+    """How the workers' gradients are combined."""
+
+    AVERAGE = "average"
+    SUM = "sum"
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """The wrapper :func:`DistributedOptimizer` returns; an ``Optimizer`` so LR schedulers accept it."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, nn.Parameter]] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        strategy: object,
+        batch_share: float | None,
+    ) -> None:
+        st = ops.state()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, _DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+            )
+        if not isinstance(op, ReduceOp):
+            raise ValueError(f"op must be Average or Sum, got {op!r} (Adasum is not supported)")
+        if not (isinstance(compression, type) and issubclass(compression, Compressor)):
+            raise TypeError(f"compression must be one of Compression.none/fp16/bf16, got {compression!r}")
+        self._opt = optimizer
+        self._compression = compression
+        self._bpps = backward_passes_per_step
+        self._params = _optimizer_params(optimizer)
+        self._names = _names(self._params, named_parameters)
+        plan = resolve_strategy(strategy, list(self._names.values()), ops.default_method(st.cfg))
+        self._method = {p: plan.methods[self._names[p]] for p in self._params}
+        self._weight = _batch_weight(plan.batch_shares, batch_share, op, st.cfg.size, st.cfg.rank)
+        sfb_weights = {p: self._names[p] for p, m in self._method.items() if m == "sfb" and p.dim() != 1}
+        # A Linear bias marked sfb is the all-reduced half of SFB.
+        for p, m in self._method.items():
+            if m == "sfb" and p.dim() == 1:
+                self._method[p] = "allreduce"
+        self._sfb = SufficientFactors(sfb_weights) if sfb_weights else None
+        if any(m == "ps" for m in self._method.values()):
+            st.ps_service()  # start it now so a missing server fails before training
+        index = {p: i for i, p in enumerate(self._params)}
+        self._priority = {p: -index[p] for p in self._params}
+        self._order = [p for p in reversed(self._params) if self._method[p] in ("allreduce", "sfb")]
+        self._next = 0
+        self._ready: set[nn.Parameter] = set()
+        self._passes: dict[nn.Parameter, int] = {}
+        self._handles: dict[nn.Parameter, Handle] = {}
+        self._sync_in_step = True
+        self._synchronized = False
+        ref = weakref.ref(self)
+        hooks = [p.register_post_accumulate_grad_hook(_grad_hook(ref)) for p in self._params]
+        weakref.finalize(self, _remove, hooks, self._sfb)
+
+    # ---------------------------------------------------------------- torch.optim.Optimizer surface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._opt.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._opt.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._opt.defaults
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._opt!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the wrapped optimizer's state dict."""
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict into the wrapped optimizer."""
+        self._opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refuse: the sync methods and hooks are fixed when the optimizer is wrapped."""
+        raise RuntimeError(
+            "add_param_group after wrapping is not supported: add the group first, then wrap the optimizer"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients; refuse while a synchronisation is in flight (it would write them back)."""
+        if self._handles or self._next:
+            raise RuntimeError(
+                "zero_grad() was called after backward() but before step() or synchronize(); "
+                "call it before backward() or after step()"
+            )
+        self._opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Wait for the gradients still in flight (unless inside :meth:`skip_synchronize`), then step."""
+        if self._sync_in_step:
+            self.synchronize()
+        self._synchronized = False
+        return self._opt.step(closure)
+
+    # ---------------------------------------------------------------- synchronisation
+    def synchronize(self) -> None:
+        """Finish every gradient's synchronisation; parameters without a gradient contribute zeros."""
+        if self._synchronized:
+            return
+        for p in self._params:
+            if self._method[p] == "ps" and p not in self._handles:
+                self._handles[p] = self._launch(p)
+        self._ready.update(self._order[self._next :])
+        self._drain()
+        try:
+            for handle in self._handles.values():
+                handle.wait()
+        finally:
+            self._handles.clear()
+            self._ready.clear()
+            self._passes.clear()
+            self._next = 0
+            if self._sfb is not None:
+                self._sfb.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make :meth:`step` skip synchronising, after the caller called :meth:`synchronize` itself."""
+        self._sync_in_step = False
+        try:
+            yield
+        finally:
+            self._sync_in_step = True
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        passes = self._passes.get(p, 0) + 1
+        if passes > self._bpps or p in self._handles:
+            raise RuntimeError(
+                f"gradient of {self._names[p]!r} was computed more than backward_passes_per_step="
+                f"{self._bpps} times before step(); raise backward_passes_per_step to accumulate locally"
+            )
+        self._passes[p] = passes
+        if passes < self._bpps:
+            return
+        self._synchronized = False
+        method = self._method[p]
+        if method == "ps":
+            self._handles[p] = self._launch(p)
+        elif method != "none":
+            self._ready.add(p)
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._next < len(self._order) and self._order[self._next] in self._ready:
+            p = self._order[self._next]
+            self._handles[p] = self._launch(p)
+            self._next += 1
+
+    def _launch(self, p: nn.Parameter) -> Handle:
+        method = self._method[p]
+        if method == "sfb":
+            assert self._sfb is not None
+            return self._sfb.start(p, self._weight, backward_ran=p in self._passes)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return ops.start_sum(
+            p.grad,
+            method=method,
+            name=self._names[p],
+            priority=self._priority[p],
+            compression=self._compression,
+            prescale=self._weight,
+        )
+
+
+def _grad_hook(ref: Callable[[], _DistributedOptimizer | None]) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._on_grad(p)  # type: ignore[arg-type]
+
+    return hook
+
+
+def _remove(hooks: list[Any], sfb: SufficientFactors | None) -> None:
+    for h in hooks:
+        h.remove()
+    if sfb is not None:
+        sfb.close()
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    params = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def _names(
+    params: list[nn.Parameter], named_parameters: Iterable[tuple[str, nn.Parameter]] | None
+) -> dict[nn.Parameter, str]:
+    if named_parameters is None:
+        return {p: f"noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not (isinstance(t, tuple) and len(t) == 2) for t in named):
+        raise TypeError("named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()")
+    by_id: dict[int, str] = {}
+    seen_names: set[str] = set()
+    for name, p in named:
+        if name in seen_names:
+            raise ValueError(f"named_parameters has the name {name!r} twice")
+        seen_names.add(name)
+        by_id.setdefault(id(p), name)
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(
+            f"{len(unnamed)} parameter(s) of the optimizer are missing from named_parameters "
+            f"(first: parameter {unnamed[0]} in optimizer order)"
+        )
+    return {p: by_id[id(p)] for p in params}
+
+
+def _batch_weight(
+    plan_shares: tuple[float, ...] | None, batch_share: float | None, op: ReduceOp, size: int, rank: int
+) -> float:
+    """Return this worker's factor: its share of the global batch for an average, 1 for a sum."""
+    if op is Sum:
+        return 1.0
+    if plan_shares is not None and batch_share is not None:
+        raise ValueError("batch_share was given, but the strategy already fixes the batch shares")
+    if batch_share is not None:
+        if not batch_share > 0:
+            raise ValueError(f"batch_share must be positive, got {batch_share!r}")
+        gathered: list[Any] = [None] * size
+        dist.all_gather_object(gathered, float(batch_share))
+        shares = tuple(float(s) for s in gathered)
+    elif plan_shares is not None:
+        if len(plan_shares) != size:
+            raise ValueError(
+                f"the strategy has batch shares for {len(plan_shares)} devices but the job has {size} "
+                "worker processes"
+            )
+        shares = plan_shares
+    else:
+        return 1.0 / size
+    return shares[rank] / sum(shares)
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, nn.Parameter]] | None = None,
+    compression: type[Compressor] = NoneCompressor,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    strategy: object = None,
+    batch_share: float | None = None,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients synchronised over every worker.
+
+    Call it on every worker, after :func:`tagps.torch.init` and with the same model. Each gradient starts
+    its synchronisation in a hook as soon as backward has accumulated it ``backward_passes_per_step``
+    times; ``step()`` waits only for what is still in flight. With ``op=Average`` the result is
+
+    .. math::
+        g = \\sum_r \\frac{s_r}{\\sum_q s_q}\\, g_r
+
+    where :math:`s_r` is worker :math:`r`'s batch share (even by default), i.e. the full-batch gradient.
+
+    Args:
+        optimizer: the torch optimizer to wrap (its parameters must be those of the model).
+        named_parameters: ``model.named_parameters()``; needed when ``strategy`` names parameters.
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``, applied to what travels.
+        backward_passes_per_step: backward passes accumulated locally per step (default 1).
+        op: ``Average`` (default) or ``Sum``.
+        strategy: ``None`` (``ps`` when summation servers exist, else ``allreduce``), a dict
+            ``{param_name: method, "default": method}`` with methods ``allreduce``, ``ps``, ``sfb``,
+            ``none``, or a plan (object or path, see ``tagps.strategy.plan``) with its batch shares.
+        batch_share: this worker's share of the global batch (e.g. its local batch size) when shares are
+            uneven and the strategy does not fix them; every worker must pass one.
+
+    Returns:
+        A ``torch.optim.Optimizer`` with ``synchronize()`` and ``skip_synchronize()``.
+
+    Raises:
+        ValueError: an unknown parameter name or method in ``strategy``, ``sfb`` on a non-linear weight,
+            bad shares or arguments; before any training step.
+    """
+    return _DistributedOptimizer(
+        optimizer, named_parameters, compression, backward_passes_per_step, op, strategy, batch_share
+    )
