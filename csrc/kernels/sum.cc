@@ -1,0 +1,58 @@
+#include "kernels/sum.h"
+
+#include <cmath>
+
+#include "common/cpu.h"
+#include "common/error.h"
+#include "common/parallel.h"
+
+namespace tagps::kernels {
+namespace {
+
+// Below this many elements the OpenMP fork costs more than it saves.
+constexpr size_t kMinParallel = size_t{1} << 16;
+
+}  // namespace
+
+void sum_into(const SumOptions& o) {
+  dtype_size(o.dtype);  // throws InvalidType for an unknown dtype
+  if (o.count == 0 || o.srcs.empty()) return;
+  TAGPS_ENFORCE(o.dst != nullptr, "sum_into: dst is null");
+  for (const void* s : o.srcs) TAGPS_ENFORCE(s != nullptr, "sum_into: a source is null");
+  const void* const* srcs = o.srcs.data();
+  const size_t nsrc = o.srcs.size();
+  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
+  detail::visit_dtype(o.dtype, [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
+#if defined(TAGPS_HAVE_AVX2_BUILD)
+      if (avx2) return detail::sum_avx2(D, o.dst, srcs, nsrc, begin, end);
+#endif
+      detail::sum_ref<D>(o.dst, srcs, nsrc, begin, end);
+    });
+  });
+}
+
+void scale(const ScaleOptions& o) {
+  dtype_size(o.dtype);
+  if (o.dtype == DType::kInt32 || o.dtype == DType::kInt64) {
+    TAGPS_ENFORCE(std::isfinite(o.factor) && std::trunc(o.factor) == o.factor &&
+                      o.factor >= -9.2233720368547758e18 && o.factor < 9.2233720368547758e18,
+                  "scale: an integer buffer needs an integral factor in the int64 range, got ", o.factor);
+  }
+  if (o.count == 0) return;
+  TAGPS_ENFORCE(o.buf != nullptr, "scale: buf is null");
+  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
+  detail::visit_dtype(o.dtype, [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    const auto factor = detail::scale_factor<D>(o.factor);
+    parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
+#if defined(TAGPS_HAVE_AVX2_BUILD)
+      if (avx2) return detail::scale_avx2(D, o.buf, o.factor, begin, end);
+#endif
+      detail::scale_ref<D>(o.buf, factor, begin, end);
+    });
+  });
+}
+
+}  // namespace tagps::kernels
