@@ -19,11 +19,13 @@ __all__ = [
     "LauncherConfig",
     "PSConfig",
     "ServerOptimizerConfig",
+    "StrategyConfig",
     "comm_config",
     "kernel_config",
     "launcher_config",
     "ps_config",
     "server_optimizer_config",
+    "strategy_config",
 ]
 
 T = TypeVar("T")
@@ -452,3 +454,19 @@ def launcher_config(env: Mapping[str, str] = os.environ, *, local: bool = False)
                 local_size = _read(env, name, _device_count, 0) or 1
                 break
     return LauncherConfig(role=role, local_size=local_size or 1)
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Settings of the strategy layer (``tagps.strategy``).
+
+    Args:
+        cache_dir: where op profiles are cached on disk (``TAGPS_CACHE_DIR``, default ``~/.cache/tagps``).
+    """
+
+    cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tagps")
+
+
+def strategy_config(env: Mapping[str, str] = os.environ) -> StrategyConfig:
+    """Read ``TAGPS_CACHE_DIR``."""
+    return StrategyConfig(cache_dir=_read(env, "TAGPS_CACHE_DIR", _text, StrategyConfig.cache_dir))

@@ -57,8 +57,10 @@ class DeviceType:
     def op_time(self, flops: float, bytes_moved: float) -> float:
         """Return the roofline time in seconds of one op that does ``flops`` and moves ``bytes_moved``."""
         return (
-            max(flops / (self.peak_flops * self.efficiency),
-                bytes_moved / (self.memory_bandwidth * self.memory_efficiency))
+            max(
+                flops / (self.peak_flops * self.efficiency),
+                bytes_moved / (self.memory_bandwidth * self.memory_efficiency),
+            )
             + self.op_overhead_s
         )
 

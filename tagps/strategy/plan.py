@@ -194,8 +194,10 @@ class Plan:
                 raise PlanError(f"gradient {name!r}: sync {grad.sync!r} is not one of {SYNCS}")
             option = self.groups[grad.group].option
             if grad.sync not in SYNC_ALLOWED[option]:
-                raise PlanError(f"gradient {name!r}: sync {grad.sync!r} not allowed for option {option!r} of "
-                                f"groups[{grad.group}] (allowed: {', '.join(SYNC_ALLOWED[option])})")
+                raise PlanError(
+                    f"gradient {name!r}: sync {grad.sync!r} not allowed for option {option!r} of "
+                    f"groups[{grad.group}] (allowed: {', '.join(SYNC_ALLOWED[option])})"
+                )
             if grad.sfb_ops and grad.sync != "sfb":
                 raise PlanError(f"gradient {name!r}: sfb_ops given but sync is {grad.sync!r}")
         devices = set(self.topology.devices())
@@ -210,10 +212,13 @@ class Plan:
         for i, g in enumerate(self.groups):
             if g.option in ("allreduce", "ps") and not any(
                 self.batch_shares.get(f"{dg}:{k}", 0) > 0
-                for dg in g.placement for k in range(self.topology.group(dg).count)
+                for dg in g.placement
+                for k in range(self.topology.group(dg).count)
             ):
-                raise PlanError(f"groups[{i}]: replicated on {list(g.placement)} but none of their devices "
-                                "has a batch share")
+                raise PlanError(
+                    f"groups[{i}]: replicated on {list(g.placement)} but none of their devices "
+                    "has a batch share"
+                )
         for dg in self.ps_servers:
             if dg not in group_names:
                 raise PlanError(f"ps_servers: unknown device group {dg!r}")
@@ -221,14 +226,16 @@ class Plan:
             first = set(self.groups[0].placement)
             for i, g in enumerate(self.groups):
                 if set(g.placement) != first or g.option not in ("allreduce", "ps"):
-                    raise PlanError(f"groups[{i}]: a data-parallel plan replicates every group "
-                                    "(allreduce/ps) "
-                                    f"on the same device groups {sorted(first)}")
+                    raise PlanError(
+                        f"groups[{i}]: a data-parallel plan replicates every group "
+                        "(allreduce/ps) "
+                        f"on the same device groups {sorted(first)}"
+                    )
             used = {d.split(":", 1)[0] for d, s in self.batch_shares.items() if s > 0}
             if not used <= first:
-                raise PlanError(f"batch_shares: devices of {sorted(used - first)} have shares but no "
-                                "op group "
-                                "runs there")
+                raise PlanError(
+                    f"batch_shares: devices of {sorted(used - first)} have shares but no op group runs there"
+                )
         return self
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -243,15 +250,21 @@ class Plan:
             "comm": {"overlap": self.comm.overlap, "fusion_bytes": self.comm.fusion_bytes},
             "ps_servers": list(self.ps_servers),
             "topology": self.topology.to_dict(),
-            "groups": [{"ops": list(g.ops), "placement": list(g.placement), "option": g.option}
-                       for g in self.groups],
+            "groups": [
+                {"ops": list(g.ops), "placement": list(g.placement), "option": g.option} for g in self.groups
+            ],
             "gradients": {
-                name: ({"group": g.group, "sync": g.sync, "sfb_ops": list(g.sfb_ops)} if g.sfb_ops
-                       else {"group": g.group, "sync": g.sync})
+                name: (
+                    {"group": g.group, "sync": g.sync, "sfb_ops": list(g.sfb_ops)}
+                    if g.sfb_ops
+                    else {"group": g.group, "sync": g.sync}
+                )
                 for name, g in self.gradients.items()
             },
             "batch_shares": dict(self.batch_shares),
-            "predicted": None if self.predicted is None else {
+            "predicted": None
+            if self.predicted is None
+            else {
                 "iteration_time_s": self.predicted.iteration_time_s,
                 "peak_memory_bytes": dict(self.predicted.peak_memory_bytes),
                 "baseline": self.predicted.baseline,
@@ -272,8 +285,16 @@ class Plan:
         """Build a plan from its dict form and validate it; :class:`PlanError` names what is wrong."""
         if not isinstance(data, Mapping):
             raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
-        required = {"version", "kind", "model", "batch_size", "topology", "groups", "gradients",
-                    "batch_shares"}
+        required = {
+            "version",
+            "kind",
+            "model",
+            "batch_size",
+            "topology",
+            "groups",
+            "gradients",
+            "batch_shares",
+        }
         missing = required - set(data)
         if missing:
             raise PlanError(f"plan is missing {sorted(missing)}")
@@ -294,8 +315,9 @@ class Plan:
                 raise PlanError(f"groups[{i}] must have exactly ops, placement, option")
             if not isinstance(g["ops"], list) or not isinstance(g["placement"], list):
                 raise PlanError(f"groups[{i}]: ops and placement must be lists")
-            groups.append(OpGroupPlan(tuple(map(str, g["ops"])), tuple(map(str, g["placement"])),
-                                      g["option"]))
+            groups.append(
+                OpGroupPlan(tuple(map(str, g["ops"])), tuple(map(str, g["placement"])), g["option"])
+            )
         if not isinstance(data["gradients"], Mapping):
             raise PlanError("gradients must be an object keyed by parameter name")
         gradients = {}
@@ -316,14 +338,25 @@ class Plan:
         if pred_raw is not None:
             if not isinstance(pred_raw, Mapping) or "iteration_time_s" not in pred_raw:
                 raise PlanError("predicted must be null or an object with iteration_time_s")
-            predicted = Prediction(pred_raw["iteration_time_s"], dict(pred_raw.get("peak_memory_bytes", {})),
-                                   pred_raw.get("baseline", ""), pred_raw.get("baseline_time_s", 0.0))
+            predicted = Prediction(
+                pred_raw["iteration_time_s"],
+                dict(pred_raw.get("peak_memory_bytes", {})),
+                pred_raw.get("baseline", ""),
+                pred_raw.get("baseline_time_s", 0.0),
+            )
         plan = cls(
-            topology=topology, model=str(data["model"]), batch_size=data["batch_size"], groups=tuple(groups),
-            gradients=gradients, batch_shares=dict(data["batch_shares"]), kind=data["kind"],
+            topology=topology,
+            model=str(data["model"]),
+            batch_size=data["batch_size"],
+            groups=tuple(groups),
+            gradients=gradients,
+            batch_shares=dict(data["batch_shares"]),
+            kind=data["kind"],
             optimizer=data.get("optimizer", "adam"),
             comm=CommSettings(comm_raw.get("overlap", True), comm_raw.get("fusion_bytes", 0)),
-            ps_servers=tuple(data.get("ps_servers", ())), predicted=predicted, version=data["version"],
+            ps_servers=tuple(data.get("ps_servers", ())),
+            predicted=predicted,
+            version=data["version"],
         )
         return plan.validate()
 

@@ -86,8 +86,15 @@ class DeviceGroup:
         base = device_type(self.device)
         if base.memory_bytes == self.memory_bytes and base.peak_flops == self.peak_flops:
             return base
-        return DeviceType(base.name, self.peak_flops, self.memory_bytes, base.memory_bandwidth,
-                          base.efficiency, base.memory_efficiency, base.op_overhead_s)
+        return DeviceType(
+            base.name,
+            self.peak_flops,
+            self.memory_bytes,
+            base.memory_bandwidth,
+            base.efficiency,
+            base.memory_efficiency,
+            base.op_overhead_s,
+        )
 
     def devices(self) -> list[str]:
         """Names of the group's devices: ``"<group>:<index>"``."""
@@ -140,11 +147,14 @@ class Topology:
         for link in self.links:
             for end in (link.a, link.b):
                 if end not in known:
-                    raise ValueError(f"topology {self.name!r}: link {link.a}-{link.b} names unknown group "
-                                     f"{end!r}")
+                    raise ValueError(
+                        f"topology {self.name!r}: link {link.a}-{link.b} names unknown group {end!r}"
+                    )
             if link.a == link.b:
-                raise ValueError(f"topology {self.name!r}: link {link.a}-{link.b} joins a group to itself; "
-                                 "use intra_bandwidth_gbps")
+                raise ValueError(
+                    f"topology {self.name!r}: link {link.a}-{link.b} joins a group to itself; "
+                    "use intra_bandwidth_gbps"
+                )
             what = f"topology {self.name!r}: link {link.a}-{link.b} bandwidth_gbps"
             bw = _positive(link.bandwidth_gbps, what)
             self._bw[(link.a, link.b)] = self._bw[(link.b, link.a)] = bw * 1e9 / 8
@@ -181,9 +191,14 @@ class Topology:
             "intra_latency_s": self.intra_latency_s,
             "inter_latency_s": self.inter_latency_s,
             "groups": [
-                {"name": g.name, "device": g.device, "count": g.count,
-                 "intra_bandwidth_gbps": g.intra_bandwidth_gbps, "memory_bytes": g.memory_bytes,
-                 "peak_flops": g.peak_flops}
+                {
+                    "name": g.name,
+                    "device": g.device,
+                    "count": g.count,
+                    "intra_bandwidth_gbps": g.intra_bandwidth_gbps,
+                    "memory_bytes": g.memory_bytes,
+                    "peak_flops": g.peak_flops,
+                }
                 for g in self.groups
             ],
             "links": [{"a": ln.a, "b": ln.b, "bandwidth_gbps": ln.bandwidth_gbps} for ln in self.links],
@@ -194,8 +209,14 @@ class Topology:
         """Build and validate a topology from its dict form; errors name the offending entry."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a topology must be a mapping, got {type(data).__name__}")
-        unknown = set(data) - {"name", "inter_bandwidth_gbps", "intra_latency_s", "inter_latency_s", "groups",
-                               "links"}
+        unknown = set(data) - {
+            "name",
+            "inter_bandwidth_gbps",
+            "intra_latency_s",
+            "inter_latency_s",
+            "groups",
+            "links",
+        }
         if unknown:
             raise ValueError(f"topology: unknown keys {sorted(unknown)}")
         name = str(data.get("name", "topology"))
@@ -209,10 +230,19 @@ class Topology:
             missing = {"name", "device", "count", "intra_bandwidth_gbps"} - set(g)
             extra = set(g) - {"name", "device", "count", "intra_bandwidth_gbps", "memory_bytes", "peak_flops"}
             if missing or extra:
-                raise ValueError(f"topology {name!r}: groups[{i}] missing {sorted(missing)} / "
-                                 f"unknown {sorted(extra)}")
-            groups.append(DeviceGroup(g["name"], g["device"], g["count"], g["intra_bandwidth_gbps"],
-                                      g.get("memory_bytes", 0), g.get("peak_flops", 0.0)))
+                raise ValueError(
+                    f"topology {name!r}: groups[{i}] missing {sorted(missing)} / unknown {sorted(extra)}"
+                )
+            groups.append(
+                DeviceGroup(
+                    g["name"],
+                    g["device"],
+                    g["count"],
+                    g["intra_bandwidth_gbps"],
+                    g.get("memory_bytes", 0),
+                    g.get("peak_flops", 0.0),
+                )
+            )
         links = []
         for i, ln in enumerate(data.get("links") or []):
             if not isinstance(ln, Mapping) or set(ln) != {"a", "b", "bandwidth_gbps"}:
@@ -220,18 +250,30 @@ class Topology:
             links.append(Link(str(ln["a"]), str(ln["b"]), ln["bandwidth_gbps"]))
         if "inter_bandwidth_gbps" not in data:
             raise ValueError(f"topology {name!r}: 'inter_bandwidth_gbps' is required")
-        return cls(name, tuple(groups), data["inter_bandwidth_gbps"], tuple(links),
-                   data.get("intra_latency_s", 5e-6), data.get("inter_latency_s", 25e-6))
+        return cls(
+            name,
+            tuple(groups),
+            data["inter_bandwidth_gbps"],
+            tuple(links),
+            data.get("intra_latency_s", 5e-6),
+            data.get("inter_latency_s", 25e-6),
+        )
 
     def describe(self) -> str:
         """A human-readable table of the topology."""
-        lines = [f"topology {self.name}: {len(self.groups)} device groups, {self.num_devices} devices, "
-                 f"{self.inter_bandwidth_gbps:g} Gbit/s between groups"]
-        lines.append(f"{'group':<12} {'device':<10} {'count':>5} {'memory GiB':>10} {'TFLOP/s':>8} "
-                     f"{'intra Gbit/s':>12}")
+        lines = [
+            f"topology {self.name}: {len(self.groups)} device groups, {self.num_devices} devices, "
+            f"{self.inter_bandwidth_gbps:g} Gbit/s between groups"
+        ]
+        lines.append(
+            f"{'group':<12} {'device':<10} {'count':>5} {'memory GiB':>10} {'TFLOP/s':>8} "
+            f"{'intra Gbit/s':>12}"
+        )
         for g in self.groups:
-            lines.append(f"{g.name:<12} {g.device:<10} {g.count:>5} {g.memory_bytes / 2**30:>10.1f} "
-                         f"{g.peak_flops / 1e12:>8.1f} {g.intra_bandwidth_gbps:>12g}")
+            lines.append(
+                f"{g.name:<12} {g.device:<10} {g.count:>5} {g.memory_bytes / 2**30:>10.1f} "
+                f"{g.peak_flops / 1e12:>8.1f} {g.intra_bandwidth_gbps:>12g}"
+            )
         for ln in self.links:
             lines.append(f"link {ln.a} - {ln.b}: {ln.bandwidth_gbps:g} Gbit/s")
         return "\n".join(lines)
@@ -273,7 +315,8 @@ def random_topology(seed: int) -> Topology:
     )
     links = tuple(
         Link(groups[i].name, groups[j].name, round(rng.uniform(20, 50), 1))
-        for i in range(n) for j in range(i + 1, n)
+        for i in range(n)
+        for j in range(i + 1, n)
     )
     return Topology(f"random-{seed}", groups, 50.0, links)
 
@@ -293,8 +336,9 @@ def load_topology(spec: str | Path) -> Topology:
             raise ValueError(f"random topology spec must be random:<int seed>, got {text!r}") from None
     path = Path(text)
     if not path.is_file():
-        raise ValueError(f"topology {text!r} is neither a preset ({', '.join(PRESETS)}, random:<seed>) "
-                         "nor a file")
+        raise ValueError(
+            f"topology {text!r} is neither a preset ({', '.join(PRESETS)}, random:<seed>) nor a file"
+        )
     raw = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         import yaml
