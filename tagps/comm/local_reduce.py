@@ -1,0 +1,364 @@
+"""Intra-machine reduction through shared memory (BytePS's communication service, CPU side).
+
+The participating processes of one machine (its local ranks) each copy a tensor into their own slot of a
+shared-memory arena (a file in ``/dev/shm``). When every slot is filled, each participant sums one shard
+of the tensor (reduce-scatter style) with :func:`tagps.kernels.sum_into`, following the machine's
+topology: inside each group of local ranks (a PCIe switch or a NUMA node, from ``BYTEPS_PCIE_SWITCH_SIZE``
+or ``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into slot 0.
+The machine's root (local rank 0) then hands slot 0 to ``cross`` (the push and pull to the summation
+servers) and, when that completed, every participant copies slot 0 back into its tensor.
+
+Coordination is a small message protocol over ZeroMQ on loopback, driven by one service thread per
+process; the root counts ``ready`` and ``reduced`` messages per tensor name and answers ``reduce`` and
+``done``. Tensor names are the keys, so participants may submit in different orders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from tagps import kernels
+from tagps.comm.handle import Waitable
+
+__all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
+
+
+def shard_bounds(count: int, parts: int, index: int, align: int = 16) -> tuple[int, int]:
+    """Return the ``[start, stop)`` element range of shard ``index`` of ``parts`` (aligned starts)."""
+    per = -(-count // parts)
+    per = -(-per // align) * align
+    start = min(count, index * per)
+    return start, min(count, start + per)
+
+
+class ReductionFuture:
+    """Completion of one tensor's reduction; ``wait()`` raises what failed, or after ``timeout``."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self._name = name
+        self._timeout = timeout
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        if not self._event.wait(self._timeout):
+            raise RuntimeError(
+                f"reduction of {self._name!r} did not finish within {self._timeout:.0f} s "
+                "(TAGPS_DIST_TIMEOUT); did another local rank exit or skip it?"
+            )
+        if self._error is not None:
+            raise RuntimeError(f"reduction of {self._name!r} failed: {self._error}") from self._error
+
+
+@dataclass
+class _Arena:
+    """The shared slots of one tensor name: ``slots[i]`` belongs to participant ``i``."""
+
+    path: str
+    dtype: torch.dtype
+    count: int
+    mm: mmap.mmap
+    slots: torch.Tensor  # (participants, count)
+
+
+@dataclass
+class _RootRound:
+    """What the root knows about the current round of one tensor name."""
+
+    ready: set[int] = field(default_factory=set)
+    reduced: set[int] = field(default_factory=set)
+    shape: tuple[str, int] | None = None
+    priority: int = 0
+    cross: Waitable | None = None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class LocalReducer:
+    """Sum tensors over the participating local ranks of this machine, and across machines via ``cross``.
+
+    Construction is collective over the whole ``torch.distributed`` world (the root's endpoint travels by
+    ``all_gather_object``); every process of the job must construct it, participant or not.
+
+    Args:
+        participants: local ranks that take part, ascending; the first is the machine's root.
+        groups: topology groups of those local ranks (each reduces into its first rank first).
+        local_rank: this process's local rank.
+        machine: this process's machine id (``DMLC_WORKER_ID``).
+        cross: on the root, called with ``(name, slot0, priority)`` after the local sum; returns a work
+            whose completion means ``slot0`` holds the sum over every machine. ``None``: one machine.
+        timeout: seconds a reduction may take before ``wait()`` raises.
+        shm_dir: where the arenas live (``/dev/shm``).
+    """
+
+    def __init__(
+        self,
+        participants: Sequence[int],
+        groups: Sequence[Sequence[int]],
+        local_rank: int,
+        machine: int,
+        cross: Callable[[str, torch.Tensor, int], Waitable] | None,
+        timeout: float,
+        shm_dir: str = "/dev/shm",
+    ) -> None:
+        self._participants = list(participants)
+        self._index = {r: i for i, r in enumerate(self._participants)}
+        self._me = self._index.get(local_rank)
+        self._root = self._me == 0
+        root_rank = self._participants[0]
+        ordered = sorted(
+            ([r for r in g if r in self._index] for g in groups), key=lambda g: root_rank not in g
+        )
+        self._groups = [
+            [self._index[r] for r in sorted(g, key=lambda r: r != root_rank)] for g in ordered if g
+        ]
+        self._cross = cross
+        self._timeout = timeout
+        self._ctx = zmq.Context.instance()
+        endpoint = None
+        job = None
+        if self._root:
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+            endpoint = f"tcp://127.0.0.1:{port}"
+            job = uuid.uuid4().hex[:12]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (machine, local_rank, endpoint, job))
+        root_info = next(e for e in everyone if e[0] == machine and e[1] == root_rank)
+        self._prefix = os.path.join(shm_dir, f"tagps-{root_info[3]}-m{machine}-")
+        self._arenas: dict[str, _Arena] = {}
+        self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
+        self._rounds: dict[str, _RootRound] = {}
+        self._tasks: queue.SimpleQueue[tuple[str, torch.Tensor, int, ReductionFuture] | None] = (
+            queue.SimpleQueue()
+        )
+        self._error: BaseException | None = None
+        if self._me is None:
+            return
+        if not self._root:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.IDENTITY, str(self._me).encode())
+            self._sock.connect(root_info[2])
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._wake_addr = f"inproc://tagps-local-reduce-{id(self)}"
+        self._wake_pull = self._ctx.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_addr)
+        self._wake_push = self._ctx.socket(zmq.PUSH)
+        self._wake_push.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name="tagps-local-reduce", daemon=True)
+        self._thread.start()
+
+    @property
+    def participating(self) -> bool:
+        """Whether this process takes part in the reduction (on GPUs only switch leaders do)."""
+        return self._me is not None
+
+    def submit(self, name: str, tensor: torch.Tensor, priority: int = 0) -> ReductionFuture:
+        """Start summing the contiguous CPU ``tensor`` in place; the same ``name`` on every participant."""
+        if self._me is None:
+            raise RuntimeError("this local rank does not take part in the shared-memory reduction")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{name!r}: the shared-memory reduction needs a contiguous CPU tensor")
+        if self._error is not None:
+            raise RuntimeError(f"the local reduction service failed earlier: {self._error}")
+        future = ReductionFuture(name, self._timeout)
+        self._tasks.put((name, tensor, priority, future))
+        self._wake()
+        return future
+
+    def close(self) -> None:
+        """Stop the service thread and remove this process's view of the arenas."""
+        if self._me is None:
+            return
+        self._tasks.put(None)
+        self._wake()
+        self._thread.join(timeout=10)
+        for arena in self._arenas.values():
+            arena.mm.close()
+            if self._root:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(arena.path)
+        self._arenas.clear()
+        for s in (self._sock, self._wake_pull, self._wake_push):
+            s.close(linger=0)
+
+    # ----------------------------------------------------------------------------------- service thread
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self._wake_push.send(b"")
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)
+        try:
+            while True:
+                busy = any(r.cross is not None for r in self._rounds.values())
+                events = dict(poller.poll(1 if busy else 1000))
+                if self._wake_pull in events:
+                    while self._wake_pull.poll(0):
+                        self._wake_pull.recv()
+                    while not self._tasks.empty():
+                        task = self._tasks.get()
+                        if task is None:
+                            return
+                        self._start(*task)
+                if self._sock in events:
+                    while self._sock.poll(0):
+                        self._on_message(self._sock.recv_multipart())
+                if self._root:
+                    self._check_cross()
+        except BaseException as exc:  # every pending wait() must see it instead of timing out
+            self._error = exc
+            for _, future in self._waiting.values():
+                future.set(exc)
+            self._waiting.clear()
+
+    def _arena(self, name: str, dtype: torch.dtype, count: int) -> _Arena:
+        arena = self._arenas.get(name)
+        if arena is not None:
+            if (arena.dtype, arena.count) != (dtype, count):
+                raise ValueError(
+                    f"{name!r} was reduced as {arena.count} x {arena.dtype} before, now {count} x {dtype}"
+                )
+            return arena
+        path = self._prefix + uuid.uuid5(uuid.NAMESPACE_URL, name).hex
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = max(1, len(self._participants) * count * itemsize)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        slots = torch.frombuffer(mm, dtype=dtype, count=len(self._participants) * count)
+        arena = _Arena(path, dtype, count, mm, slots.view(len(self._participants), count))
+        self._arenas[name] = arena
+        return arena
+
+    def _start(self, name: str, tensor: torch.Tensor, priority: int, future: ReductionFuture) -> None:
+        if name in self._waiting:
+            future.set(RuntimeError(f"{name!r} is already being reduced; wait for it before resubmitting"))
+            return
+        arena = self._arena(name, tensor.dtype, tensor.numel())
+        arena.slots[self._me].copy_(tensor.reshape(-1))
+        self._waiting[name] = (tensor, future)
+        shape = (_dtype_name(tensor.dtype), tensor.numel())
+        if self._root:
+            self._on_ready(name, 0, shape, priority)
+        else:
+            self._sock.send_multipart([b"ready", name.encode(), shape[0].encode(), str(shape[1]).encode()])
+
+    def _send(self, member: int, *parts: bytes) -> None:
+        if member == 0:
+            self._on_command([*parts])
+        else:
+            self._sock.send_multipart([str(member).encode(), *parts])
+
+    def _broadcast(self, *parts: bytes) -> None:
+        for member in range(1, len(self._participants)):
+            self._send(member, *parts)
+        self._send(0, *parts)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        if not self._root:
+            self._on_command(frames)
+            return
+        member, kind, name = int(frames[0]), frames[1], frames[2].decode()
+        if kind == b"ready":
+            self._on_ready(name, member, (frames[3].decode(), int(frames[4])), 0)
+        elif kind == b"reduced":
+            self._on_reduced(name, member)
+        else:
+            raise RuntimeError(f"unexpected message {kind!r} from local participant {member}")
+
+    def _on_ready(self, name: str, member: int, shape: tuple[str, int], priority: int) -> None:
+        rnd = self._rounds.setdefault(name, _RootRound())
+        if rnd.shape is None:
+            rnd.shape = shape
+        elif rnd.shape != shape:
+            self._broadcast(
+                b"fail", name.encode(), f"local ranks disagree on {name!r}: {rnd.shape} vs {shape}".encode()
+            )
+            del self._rounds[name]
+            return
+        if member == 0:
+            rnd.priority = priority
+        rnd.ready.add(member)
+        if len(rnd.ready) == len(self._participants):
+            # Every participant has mapped the arena by now: unlink it so that no crash can leak it.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._arenas[name].path)
+            self._broadcast(b"reduce", name.encode())
+
+    def _on_reduced(self, name: str, member: int) -> None:
+        rnd = self._rounds[name]
+        rnd.reduced.add(member)
+        if len(rnd.reduced) < len(self._participants):
+            return
+        if self._cross is None:
+            self._finish(name)
+        else:
+            rnd.cross = self._cross(name, self._arenas[name].slots[0], rnd.priority)
+
+    def _check_cross(self) -> None:
+        for name, rnd in list(self._rounds.items()):
+            if rnd.cross is not None and rnd.cross.is_completed():
+                rnd.cross.wait()
+                self._finish(name)
+
+    def _finish(self, name: str) -> None:
+        del self._rounds[name]
+        self._broadcast(b"done", name.encode())
+
+    def _on_command(self, frames: list[bytes]) -> None:
+        kind, name = frames[0], frames[1].decode()
+        tensor, future = self._waiting[name]
+        arena = self._arenas[name]
+        if kind == b"reduce":
+            self._reduce_shard(arena)
+            if self._root:
+                self._on_reduced(name, 0)
+            else:
+                self._sock.send_multipart([b"reduced", name.encode()])
+        elif kind == b"done":
+            tensor.reshape(-1).copy_(arena.slots[0])
+            del self._waiting[name]
+            future.set()
+        elif kind == b"fail":
+            del self._waiting[name]
+            future.set(RuntimeError(frames[2].decode()))
+        else:
+            raise RuntimeError(f"unexpected command {kind!r} from the local root")
+
+    def _reduce_shard(self, arena: _Arena) -> None:
+        start, stop = shard_bounds(arena.count, len(self._participants), self._me)  # type: ignore[arg-type]
+        if start >= stop:
+            return
+        part = arena.slots[:, start:stop]
+        for group in self._groups:
+            kernels.sum_into(part[group[0]], *(part[m] for m in group[1:]))
+        kernels.sum_into(part[0], *(part[g[0]] for g in self._groups[1:]))
