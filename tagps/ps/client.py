@@ -1,0 +1,588 @@
+"""The worker-side client: declare tensors, push_pull them through the summation servers.
+
+One :class:`PSClient` per worker machine. A background I/O thread owns every socket (one DEALER per
+server plus the scheduler link); user threads hand it work through a queue. Tensors are cut into chunks of
+at most ``BYTEPS_PARTITION_BYTES`` (aligned to the element size) with keys ``(declared_index << 16) +
+chunk``; each chunk goes to the server chosen by ``BYTEPS_KEY_HASH_FN``; at most
+``BYTEPS_SCHEDULING_CREDIT`` chunks are in flight and lower ``priority`` values are sent first. A chunk's
+PUSH frame is the caller's buffer itself (zero-copy), and its PULL reply is copied straight back into it.
+
+Keys must agree across workers. :meth:`PSClient.declare` only records a tensor; the pending declarations
+are numbered in sorted-name order at the next *declaration point* (the next :meth:`~PSClient.push_pull`,
+:meth:`~PSClient.barrier` or :meth:`~PSClient.flush_declarations`), where every worker sends INIT for
+each chunk and waits until all workers did. So every worker must declare the same set of names before the
+same declaration point; the usual pattern is to declare every tensor, then call :meth:`~PSClient.barrier`.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from tagps import kernels
+from tagps.config import PSConfig, ps_config
+from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
+from tagps.ps.protocol import (
+    FLAG_SERVER_OPTIMIZER,
+    MAX_CHUNKS,
+    Op,
+    ProtocolError,
+    describe_node,
+    dtype_code,
+    pack_header,
+    routing_id,
+    unpack_header,
+)
+from tagps.ps.transport import Security, resolve_host
+
+__all__ = ["Handle", "PSClient", "key_to_server"]
+
+log = logging.getLogger(__name__)
+
+_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), np.dtype(np.uint16)})
+
+
+def _djb2(key: int) -> int:
+    h = 5381
+    for c in str(key).encode():
+        h = (h * 33 + c) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _sdbm(key: int) -> int:
+    h = 0
+    for c in str(key).encode():
+        h = (c + (h << 6) + (h << 16) - h) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def key_to_server(key: int, num_servers: int, hash_fn: str) -> int:
+    """Return the server rank of ``key`` under the ``djb2``, ``sdbm`` or ``naive`` hash (as BytePS does).
+
+    ``balanced`` depends on the sizes of the keys declared before, so :class:`PSClient` computes it.
+    """
+    if hash_fn == "djb2":
+        return _djb2(key) % num_servers
+    if hash_fn == "sdbm":
+        return _sdbm(key) % num_servers
+    if hash_fn == "naive":
+        return ((key >> 16) + (key % 65536)) * 9973 % num_servers
+    raise ValueError(f"BYTEPS_KEY_HASH_FN={hash_fn!r} has no stateless key_to_server")
+
+
+@dataclass
+class _Chunk:
+    key: int
+    server: int
+    start: int  # element offset in the flat buffer
+    stop: int
+    round: int = 0
+
+
+@dataclass
+class _Tensor:
+    name: str
+    nbytes: int
+    dtype: np.dtype
+    init: np.ndarray | None
+    index: int = -1
+    chunks: list[_Chunk] = field(default_factory=list)
+    active: Handle | None = None
+
+
+class Handle:
+    """An outstanding :meth:`PSClient.push_pull`; pass it to :meth:`PSClient.poll` or :meth:`PSClient.wait`.
+
+    It keeps the buffer alive until the operation completes.
+    """
+
+    __slots__ = ("_client", "_done", "average", "buffer", "error", "name", "priority", "remaining")
+
+    def __init__(self, client: PSClient, name: str, buffer: np.ndarray, average: bool, priority: int) -> None:
+        self._client = client
+        self.name = name
+        self.buffer = buffer
+        self.average = average
+        self.priority = priority
+        self.remaining = 0
+        self.error: str | None = None
+        self._done = threading.Event()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "done" if self._done.is_set() else "pending"
+        return f"Handle({self.name!r}, {state})"
+
+
+class PSClient:
+    """A worker machine's connection to the parameter servers.
+
+    Args:
+        config: the job's settings (role must be ``worker``).
+    """
+
+    def __init__(self, config: PSConfig) -> None:
+        if config.role != "worker":
+            raise ValueError(f"PSClient needs DMLC_ROLE=worker, got {config.role}")
+        self.config = config
+        self.worker_id = config.worker_id
+        self.num_workers = config.num_workers
+        self._context = zmq.Context()
+        self._security = Security(self._context, config.secret)
+        self._link = SchedulerLink(self._context, self._security, config, "worker", resolve_host(config), 0)
+        try:
+            book = self._link.register()
+        except BaseException:
+            self._teardown()
+            raise
+        self.node_id = book.node_id
+        self._servers = self._connect(book)
+        self._tensors: dict[str, _Tensor] = {}
+        self._pending: list[_Tensor] = []
+        self._next_index = 0
+        self._server_bytes = [0] * len(self._servers)
+        self._api_lock = threading.Lock()  # serializes declaration points, barriers and close
+        # User threads → I/O thread.
+        self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._wake_endpoint = f"inproc://tagps-client-wake-{id(self)}"
+        self._wake_in = self._context.socket(zmq.PULL)
+        self._wake_in.bind(self._wake_endpoint)
+        self._wake_out = self._context.socket(zmq.PUSH)
+        self._wake_out.connect(self._wake_endpoint)
+        self._wake_lock = threading.Lock()
+        # I/O-thread state.
+        self._queue: list[tuple[int, int, Handle, _Chunk]] = []
+        self._seq = itertools.count()
+        self._in_flight: dict[int, tuple[Handle, _Chunk]] = {}
+        self._inits: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._chunk_of: dict[int, _Chunk] = {}
+        self._barrier_event: threading.Event | None = None
+        self._shutdown_event: threading.Event | None = None
+        self._fatal: str | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._io_loop, name="tagps-ps-client", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls) -> PSClient:
+        """Read the ``DMLC_*``/``BYTEPS_*`` variables, register with the scheduler, connect to the servers."""
+        config = ps_config()
+        configure_logging(config, f"worker {config.worker_id}")
+        return cls(config)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def declare(self, name: str, nbytes: int, dtype: Any, init: np.ndarray | None = None) -> None:
+        """Declare a tensor; its keys are assigned at the next declaration point (see the module doc).
+
+        Args:
+            name: unique name, the same on every worker.
+            nbytes: size in bytes (a multiple of the element size; 0 makes push_pull a no-op).
+            dtype: numpy dtype (``uint16`` holds bfloat16).
+            init: initial value kept by the servers (used in async mode and with a server-side
+                optimizer, where pulls return the stored weights); worker 0's wins. Default: zeros.
+
+        Raises:
+            ValueError: duplicate name, bad size or ``init`` of the wrong size.
+            TypeError: unsupported dtype.
+        """
+        self._check_open()
+        dt = np.dtype(dtype)
+        dtype_code(dt)
+        if not isinstance(name, str) or not name:
+            raise ValueError("tensor name must be a non-empty string")
+        if name in self._tensors or any(t.name == name for t in self._pending):
+            raise ValueError(f"tensor {name!r} is already declared")
+        if not isinstance(nbytes, int) or nbytes < 0 or nbytes % dt.itemsize:
+            raise ValueError(
+                f"nbytes={nbytes!r} for {name!r} must be a non-negative multiple of {dt.itemsize}"
+            )
+        if init is not None:
+            init = np.ascontiguousarray(init).reshape(-1)
+            if init.dtype != dt or init.nbytes != nbytes:
+                raise ValueError(
+                    f"init for {name!r} must hold {nbytes} bytes of {dt}, got {init.nbytes} of {init.dtype}"
+                )
+        tensor = _Tensor(name, nbytes, dt, init)
+        count = -(-nbytes // self._chunk_bytes(tensor))
+        if count > MAX_CHUNKS:
+            raise ValueError(
+                f"{name!r} needs {count} chunks of BYTEPS_PARTITION_BYTES={self.config.partition_bytes}, "
+                f"more than {MAX_CHUNKS}; raise BYTEPS_PARTITION_BYTES"
+            )
+        self._pending.append(tensor)
+
+    def flush_declarations(self) -> None:
+        """Assign keys to the pending declarations and register them with the servers (collective)."""
+        with self._api_lock:
+            self._flush_locked()
+
+    def push_pull(self, name: str, buffer: np.ndarray, average: bool = True, priority: int = 0) -> Handle:
+        """Start summing ``buffer`` over all workers; the result lands in ``buffer`` in place.
+
+        Do not touch ``buffer`` until :meth:`wait` returns: its bytes are sent zero-copy.
+
+        Args:
+            name: a declared tensor.
+            buffer: C-contiguous, writable array of the declared dtype and size.
+            average: divide the sum by the number of workers (ignored when the servers run an optimizer:
+                then the result is the updated weights).
+            priority: lower values are sent first (default 0).
+
+        Returns:
+            A :class:`Handle`.
+
+        Raises:
+            ValueError: unknown name, wrong buffer, or the previous push_pull of ``name`` is unfinished.
+            TypeError: wrong dtype, or ``average`` of an integer tensor.
+            RuntimeError: the job failed.
+        """
+        self._check_open()
+        if self._pending:
+            self.flush_declarations()
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ValueError(f"tensor {name!r} was not declared")
+        if not isinstance(buffer, np.ndarray):
+            raise TypeError(f"buffer for {name!r} must be a numpy array, got {type(buffer).__name__}")
+        if buffer.dtype != tensor.dtype:
+            raise TypeError(f"buffer for {name!r} has dtype {buffer.dtype}, declared {tensor.dtype}")
+        if buffer.nbytes != tensor.nbytes or not buffer.flags.c_contiguous or not buffer.flags.writeable:
+            raise ValueError(
+                f"buffer for {name!r} must be a writable C-contiguous array of {tensor.nbytes} bytes"
+            )
+        if average and tensor.dtype not in _FLOATS:
+            raise TypeError(f"average=True needs a floating dtype; {name!r} is {tensor.dtype}")
+        if tensor.active is not None and not tensor.active._done.is_set():
+            raise ValueError(f"the previous push_pull of {name!r} has not completed; wait() for it first")
+        handle = Handle(self, name, buffer.reshape(-1), average, int(priority))
+        handle.remaining = len(tensor.chunks)
+        tensor.active = handle
+        if not tensor.chunks:
+            handle._done.set()
+            return handle
+        self._submit(("push_pull", handle, tensor))
+        return handle
+
+    def poll(self, handle: Handle) -> bool:
+        """Return whether ``handle`` finished (successfully or not; :meth:`wait` raises on failure)."""
+        self._own(handle)
+        return handle._done.is_set()
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> None:
+        """Block until ``handle`` finished; the result is then in its buffer.
+
+        Raises:
+            TimeoutError: not finished after ``timeout`` seconds.
+            RuntimeError: the operation or the job failed (the message names the cause).
+        """
+        self._own(handle)
+        if not handle._done.wait(timeout):
+            raise TimeoutError(f"push_pull of {handle.name!r} did not finish within {timeout} s")
+        if handle.error is not None:
+            raise RuntimeError(f"push_pull of {handle.name!r} failed: {handle.error}")
+
+    def barrier(self) -> None:
+        """Block until every worker reached this barrier (also a declaration point)."""
+        with self._api_lock:
+            self._check_open()
+            self._flush_locked()
+            event = threading.Event()
+            self._submit(("barrier", event))
+            self._wait_event(event, "barrier")
+
+    def close(self) -> None:
+        """Finalize: wait until every worker closed, then release the sockets. Idempotent."""
+        with self._api_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._fatal is None and self._thread.is_alive():
+                event = threading.Event()
+                self._submit(("close", event))
+                try:
+                    self._wait_event(event, "close")
+                except RuntimeError as exc:
+                    log.warning("close: %s", exc)
+            self._submit(("stop",))
+            self._thread.join()
+            self._teardown()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- user-thread helpers ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._fatal is not None:
+            raise RuntimeError(f"the PS job failed: {self._fatal}")
+        if self._closed:
+            raise RuntimeError("PSClient is closed")
+
+    def _own(self, handle: Handle) -> None:
+        if not isinstance(handle, Handle) or handle._client is not self:
+            raise ValueError(f"{handle!r} is not a handle of this PSClient")
+
+    def _submit(self, command: tuple[Any, ...]) -> None:
+        with self._wake_lock:
+            self._commands.append(command)
+            self._wake_out.send(b"")
+
+    def _wait_event(self, event: threading.Event, what: str) -> None:
+        event.wait()
+        if self._fatal is not None:
+            raise RuntimeError(f"{what} failed: {self._fatal}")
+
+    def _flush_locked(self) -> None:
+        if not self._pending:
+            return
+        self._check_open()
+        pending = sorted(self._pending, key=lambda t: t.name)
+        self._pending = []
+        for tensor in pending:
+            step = self._chunk_bytes(tensor)
+            count = -(-tensor.nbytes // step)
+            tensor.index = self._next_index
+            self._next_index += 1
+            per = step // tensor.dtype.itemsize
+            total = tensor.nbytes // tensor.dtype.itemsize
+            for c in range(count):
+                key = (tensor.index << 16) + c
+                start, stop = c * per, min(total, (c + 1) * per)
+                tensor.chunks.append(
+                    _Chunk(key, self._pick_server(key, (stop - start) * tensor.dtype.itemsize), start, stop)
+                )
+            self._tensors[tensor.name] = tensor
+        declared = [t for t in pending if t.chunks]
+        if declared:
+            event = threading.Event()
+            self._submit(("declare", declared, event))
+            self._wait_event(event, "declaration")
+
+    def _chunk_bytes(self, tensor: _Tensor) -> int:
+        """Partition size for ``tensor``: BYTEPS_PARTITION_BYTES aligned down to its element size."""
+        itemsize = tensor.dtype.itemsize
+        return max(itemsize, self.config.partition_bytes // itemsize * itemsize)
+
+    def _pick_server(self, key: int, nbytes: int) -> int:
+        if self.config.key_hash_fn == "balanced":
+            server = min(range(len(self._servers)), key=lambda s: (self._server_bytes[s], s))
+        else:
+            server = key_to_server(key, len(self._servers), self.config.key_hash_fn)
+        self._server_bytes[server] += nbytes
+        return server
+
+    # -- I/O thread ---------------------------------------------------------------------------
+
+    def _connect(self, book: AddressBook) -> list[zmq.Socket]:
+        sockets = []
+        for host, port in book.servers:
+            sock = self._security.client(self._context.socket(zmq.DEALER))
+            sock.setsockopt(zmq.ROUTING_ID, routing_id(self.node_id))
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{host}:{port}")
+            sockets.append(sock)
+        return sockets
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_in, zmq.POLLIN)
+        poller.register(self._link.socket, zmq.POLLIN)
+        for sock in self._servers:
+            poller.register(sock, zmq.POLLIN)
+        timeout_ms = max(10, int(self.config.heartbeat_interval * 500))
+        try:
+            while True:
+                ready = dict(poller.poll(timeout_ms))
+                if self._wake_in in ready and not self._run_commands():
+                    return
+                for rank, sock in enumerate(self._servers):
+                    if sock in ready:
+                        self._drain_server(rank, sock)
+                if self._link.socket in ready:
+                    self._on_scheduler()
+                self._pump()
+                self._link.beat()
+        except JobFailed as exc:
+            self._fail_all(str(exc))
+        except Exception as exc:  # never leave a waiter hanging on a bug
+            log.exception("PS client I/O thread crashed")
+            self._fail_all(f"internal error in the PS client: {exc!r}")
+        # After a failure, still honour "stop" so close() can join this thread.
+        while True:
+            self._wake_in.recv()
+            while self._commands:
+                if self._commands.popleft()[0] == "stop":
+                    return
+
+    def _run_commands(self) -> bool:
+        while True:
+            try:
+                self._wake_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while self._commands:
+            command = self._commands.popleft()
+            kind = command[0]
+            if kind == "push_pull":
+                _, handle, tensor = command
+                for chunk in tensor.chunks:
+                    heapq.heappush(self._queue, (handle.priority, next(self._seq), handle, chunk))
+            elif kind == "declare":
+                self._send_inits(command[1], command[2])
+            elif kind == "barrier":
+                self._barrier_event = command[1]
+                self._link.request_barrier("workers")
+            elif kind == "close":
+                self._shutdown_event = command[1]
+                self._link.finalize()
+            elif kind == "stop":
+                return False
+        return True
+
+    def _send_inits(self, tensors: list[_Tensor], event: threading.Event) -> None:
+        keys = []
+        for tensor in tensors:
+            code = dtype_code(tensor.dtype)
+            for chunk in tensor.chunks:
+                nbytes = (chunk.stop - chunk.start) * tensor.dtype.itemsize
+                # The declared size travels in nbytes; the initial value, when given, as the payload.
+                frames: list[Any] = [
+                    pack_header(Op.INIT, sender=self.node_id, key=chunk.key, dtype=code, nbytes=nbytes)
+                ]
+                if tensor.init is not None:
+                    frames.append(tensor.init[chunk.start : chunk.stop])
+                self._servers[chunk.server].send_multipart(frames, copy=False)
+                self._chunk_of[chunk.key] = chunk
+                keys.append(chunk.key)
+        pending = (event, [len(keys)])
+        for key in keys:
+            self._inits[key] = pending
+
+    def _pump(self) -> None:
+        credit = self.config.scheduling_credit
+        while self._queue and len(self._in_flight) < credit:
+            _, _, handle, chunk = heapq.heappop(self._queue)
+            if handle.error is not None:
+                continue
+            view = handle.buffer[chunk.start : chunk.stop]
+            code = dtype_code(view.dtype)
+            sock = self._servers[chunk.server]
+            sock.send_multipart(
+                [
+                    pack_header(
+                        Op.PUSH,
+                        sender=self.node_id,
+                        key=chunk.key,
+                        round=chunk.round,
+                        dtype=code,
+                        nbytes=view.nbytes,
+                    ),
+                    view,
+                ],
+                copy=False,
+            )
+            sock.send(pack_header(Op.PULL, sender=self.node_id, key=chunk.key, round=chunk.round, dtype=code))
+            self._in_flight[chunk.key] = (handle, chunk)
+
+    def _drain_server(self, rank: int, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                header = unpack_header(frames[0].buffer)
+            except ProtocolError as exc:
+                raise JobFailed(f"bad message from server {rank}: {exc}") from None
+            if header.op == Op.PULL_REPLY:
+                self._on_pull_reply(header, frames)
+            elif header.op == Op.INIT_ACK:
+                self._on_init_ack(rank, header)
+            elif header.op == Op.ERROR:
+                self._on_error(rank, header, frames)
+            else:
+                raise JobFailed(f"unexpected {Op(header.op).name} from server {rank}")
+
+    def _on_pull_reply(self, header: Any, frames: list[Any]) -> None:
+        entry = self._in_flight.pop(header.key, None)
+        if entry is None:
+            raise JobFailed(f"PULL_REPLY for key {header.key}, which has no pull in flight")
+        handle, chunk = entry
+        view = handle.buffer[chunk.start : chunk.stop]
+        if len(frames) != 2 or header.round != chunk.round or len(frames[1].buffer) != view.nbytes:
+            raise JobFailed(f"malformed PULL_REPLY for key {header.key} round {header.round}")
+        np.copyto(view, np.frombuffer(frames[1].buffer, view.dtype))
+        if handle.average and not header.flags & FLAG_SERVER_OPTIMIZER and self.num_workers > 1:
+            kernels.scale(view, 1.0 / self.num_workers)
+        chunk.round += 1
+        handle.remaining -= 1
+        if handle.remaining == 0:
+            handle._done.set()
+
+    def _on_init_ack(self, rank: int, header: Any) -> None:
+        pending = self._inits.pop(header.key, None)
+        if pending is None:
+            raise JobFailed(f"INIT_ACK for key {header.key}, which was not declared")
+        self._chunk_of[header.key].round = header.round
+        event, left = pending
+        left[0] -= 1
+        if left[0] == 0:
+            event.set()
+
+    def _on_error(self, rank: int, header: Any, frames: list[Any]) -> None:
+        reason = bytes(frames[1].buffer).decode(errors="replace") if len(frames) > 1 else "no reason given"
+        entry = self._in_flight.pop(header.key, None)
+        if entry is not None:
+            handle = entry[0]
+            handle.error = reason
+            handle._done.set()
+            return
+        raise JobFailed(f"server {rank} rejected a request: {reason}")
+
+    def _on_scheduler(self) -> None:
+        while self._link.socket.poll(0):
+            op, _ = self._link.receive()
+            if op == Op.BARRIER_DONE and self._barrier_event is not None:
+                self._barrier_event.set()
+                self._barrier_event = None
+            elif op == Op.SHUTDOWN and self._shutdown_event is not None:
+                self._shutdown_event.set()
+                self._shutdown_event = None
+
+    def _fail_all(self, reason: str) -> None:
+        self._fatal = reason
+        log.error("%s: %s", describe_node(self.node_id), reason)
+        for handle, _ in self._in_flight.values():
+            handle.error = reason
+            handle._done.set()
+        for _, _, handle, _ in self._queue:
+            handle.error = reason
+            handle._done.set()
+        for event, _ in self._inits.values():
+            event.set()
+        for event in (self._barrier_event, self._shutdown_event):
+            if event is not None:
+                event.set()
+        for command in list(self._commands):
+            for item in command[1:]:
+                if isinstance(item, threading.Event):
+                    item.set()
+                if isinstance(item, Handle):
+                    item.error = reason
+                    item._done.set()
+
+    def _teardown(self) -> None:
+        if not self._context.closed:
+            self._context.destroy(linger=0)
+        self._security.close()

@@ -1,0 +1,495 @@
+"""The summation server: a store per key, engine threads, sync and async rounds, server-side optimizers.
+
+One I/O thread owns every socket: it validates each data message's header (see ``docs/protocol.md``),
+routes the message to the engine thread that owns its key (keys go to the least-loaded thread, by bytes,
+when first declared), and forwards the engines' replies. Engine threads own the per-key state and do every
+sum with :func:`tagps.kernels.sum_into` (which releases the GIL, so engines really run in parallel).
+
+Sync mode: pushes of round ``r`` are held (zero-copy) until every worker pushed; then they are summed once
+into the key's preallocated buffer (float16/bfloat16 accumulate in float32 and round once), the optional
+optimizer step runs, and the pulls waiting for round ``r`` are answered, zero-copy from that buffer. A
+worker cannot push round ``r + 1`` before it received round ``r``, so the buffer is never overwritten while
+a reply that refers to it is queued.
+
+Async mode (``BYTEPS_ENABLE_ASYNC=1``): each push is added to (or, with an optimizer, applied to) the store
+at once; a pull of round ``r`` waits until every worker pushed round ``r - TAGPS_MAX_STALENESS`` when that
+bound is set, and is answered with a copy of the store.
+
+A bad message never stops the server: it is logged and answered with :attr:`Op.ERROR` to its sender.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from tagps import kernels
+from tagps.config import PSConfig, ServerOptimizerConfig
+from tagps.ps.node import JobFailed, SchedulerLink
+from tagps.ps.optimizer import OptimizerState, ServerOptimizer
+from tagps.ps.protocol import (
+    FLAG_ASYNC,
+    FLAG_SERVER_OPTIMIZER,
+    DType,
+    Op,
+    ProtocolError,
+    numpy_dtype,
+    pack_header,
+    routing_id,
+    server_node_id,
+    unpack_header,
+)
+from tagps.ps.transport import Security, bind_random_port, resolve_host
+
+__all__ = ["SummationServer"]
+
+log = logging.getLogger(__name__)
+
+_CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class _Key:
+    """Per-key state. ``dtype``/``nbytes``/``engine`` are fixed at declaration; the rest is engine-owned."""
+
+    key: int
+    dtype: int
+    nbytes: int
+    engine: int
+    num_workers: int
+    value: np.ndarray | None = None
+    grad: np.ndarray | None = None
+    opt: OptimizerState | None = None
+    restored: bool = False
+    ready: bool = False
+    round: int = 0
+    frames: list[Any] = field(default_factory=list)
+    pushed: bytearray = field(default_factory=bytearray)
+    pulls: list[tuple[bytes, int, int]] = field(default_factory=list)
+    inits: dict[int, Any] = field(default_factory=dict)
+    init_waiters: list[tuple[bytes, int]] = field(default_factory=list)
+    counts: np.ndarray | None = None
+
+
+class _Reject(Exception):
+    """A message that is well-formed but not acceptable now (answered with ERROR)."""
+
+
+class SummationServer:
+    """Run one summation server of a job.
+
+    Args:
+        config: the job's settings.
+        optimizer: the server-side optimizer (``name="none"``: plain summation).
+        checkpoint: write the store and optimizer state here at a clean shutdown.
+        restore: start from this checkpoint (same rank, keys, dtypes and optimizer as when it was written).
+    """
+
+    def __init__(
+        self,
+        config: PSConfig,
+        optimizer: ServerOptimizerConfig | None = None,
+        *,
+        checkpoint: str | Path | None = None,
+        restore: str | Path | None = None,
+    ) -> None:
+        self.config = config
+        opt_config = optimizer or ServerOptimizerConfig()
+        self.optimizer = ServerOptimizer(opt_config) if opt_config.name != "none" else None
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+        self.flags = (FLAG_SERVER_OPTIMIZER if self.optimizer else 0) | (
+            FLAG_ASYNC if config.enable_async else 0
+        )
+        self.keys: dict[int, _Key] = {}
+        self._loads = [0] * config.engine_threads
+        self._restored_rank: int | None = None
+        requested_rank = self._restore(Path(restore)) if restore is not None else None
+
+        self._context = zmq.Context()
+        self._security = Security(self._context, config.secret)
+        host = resolve_host(config)
+        self._data = self._security.server(self._context.socket(zmq.ROUTER))
+        self._data.setsockopt(zmq.MAXMSGSIZE, max(config.partition_bytes, 1 << 16))
+        self._data.setsockopt(zmq.LINGER, 0)
+        port = bind_random_port(self._data, host)
+        self._replies = self._context.socket(zmq.PULL)
+        self._replies_endpoint = f"inproc://tagps-server-replies-{id(self)}"
+        self._replies.bind(self._replies_endpoint)
+        self._link = SchedulerLink(
+            self._context, self._security, config, "server", host, port, requested_rank
+        )
+        self.rank: int | None = None
+        self.node_id = 0
+        self._queues: list[queue.SimpleQueue[Any]] = [
+            queue.SimpleQueue() for _ in range(config.engine_threads)
+        ]
+        self._engines: list[threading.Thread] = []
+        log.info("server listening on %s:%d", host, port)
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Register, serve until the scheduler says SHUTDOWN (returns 0) or the job fails (returns 1)."""
+        try:
+            book = self._link.register()
+            self.rank = book.rank
+            self.node_id = server_node_id(book.rank or 0)
+            if self._restored_rank is not None and self._restored_rank != self.rank:
+                raise JobFailed(f"checkpoint is for server rank {self._restored_rank}, got rank {self.rank}")
+            log.info("server rank %s of %d", self.rank, self.config.num_servers)
+            self._engines = [
+                threading.Thread(target=self._engine, args=(i,), name=f"tagps-engine-{i}", daemon=True)
+                for i in range(self.config.engine_threads)
+            ]
+            for thread in self._engines:
+                thread.start()
+            self._serve()
+        except JobFailed as exc:
+            log.error("server stops: %s", exc)
+            return 1
+        finally:
+            self._stop_engines()
+            self._close()
+        if self.checkpoint is not None:
+            self.save(self.checkpoint)
+        return 0
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self._data, self._replies, self._link.socket):
+            poller.register(sock, zmq.POLLIN)
+        timeout_ms = max(10, int(self.config.heartbeat_interval * 500))
+        while True:
+            ready = dict(poller.poll(timeout_ms))
+            if self._replies in ready:
+                for _ in range(256):
+                    try:
+                        self._data.send_multipart(
+                            self._replies.recv_multipart(zmq.NOBLOCK, copy=False), copy=False
+                        )
+                    except zmq.Again:
+                        break
+            if self._data in ready:
+                for _ in range(256):
+                    try:
+                        frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames)
+            if self._link.socket in ready:
+                op, _ = self._link.receive()
+                if op == Op.SHUTDOWN:
+                    log.info("shutdown requested by the scheduler")
+                    return
+            self._link.beat()
+
+    def _dispatch(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        header = None
+        try:
+            if len(frames) not in (2, 3):
+                raise ProtocolError(
+                    f"expected header and at most one payload frame, got {len(frames) - 1} frames"
+                )
+            header = unpack_header(frames[1].buffer)
+            worker = self._worker_index(identity, header.sender)
+            payload = frames[2] if len(frames) == 3 else None
+            size = len(payload.buffer) if payload is not None else 0
+            if header.op == Op.INIT:
+                state = self._declare(header, size)
+            elif header.op in (Op.PUSH, Op.PULL):
+                state = self.keys.get(header.key)
+                if state is None:
+                    raise ProtocolError(f"key {header.key} was never declared (send INIT first)")
+                if header.dtype != state.dtype:
+                    raise ProtocolError(f"dtype code {header.dtype} but key {header.key} holds {state.dtype}")
+                expected = state.nbytes if header.op == Op.PUSH else 0
+                if size != expected or header.nbytes != expected:
+                    raise ProtocolError(
+                        f"{Op(header.op).name} of key {header.key} carries {size} bytes "
+                        f"(header: {header.nbytes}), expected {expected}"
+                    )
+            else:
+                raise ProtocolError(f"a server does not handle {Op(header.op).name}")
+        except ProtocolError as exc:
+            self._reply_error(self._data, identity, header, exc)
+            return
+        self._queues[state.engine].put((header, identity, worker, payload))
+
+    def _worker_index(self, identity: bytes, sender: int) -> int:
+        worker = (sender - 9) // 2
+        if sender < 9 or sender % 2 == 0 or worker >= self.config.num_workers:
+            raise ProtocolError(f"sender {sender} is not a worker node id of this job")
+        if identity != routing_id(sender):
+            raise ProtocolError(f"sender {sender} does not match the connection's identity {identity!r}")
+        return worker
+
+    def _declare(self, header: Any, payload_size: int) -> _Key:
+        key, dtype = header.key, header.dtype
+        if dtype == 0:
+            raise ProtocolError("INIT needs a dtype")
+        itemsize = numpy_dtype(dtype).itemsize
+        limit = self.config.partition_bytes
+        if not 0 < header.nbytes <= limit or header.nbytes % itemsize:
+            raise ProtocolError(
+                f"INIT of key {key} declares {header.nbytes} bytes; needs a multiple of {itemsize} "
+                f"in [1, BYTEPS_PARTITION_BYTES={limit}]"
+            )
+        if payload_size not in (0, header.nbytes):
+            raise ProtocolError(f"INIT payload of {payload_size} bytes for a {header.nbytes}-byte key")
+        if self.optimizer is not None and dtype != DType.FLOAT32:
+            raise ProtocolError(f"TAGPS_SERVER_OPTIMIZER={self.optimizer.config.name} needs float32 keys")
+        state = self.keys.get(key)
+        if state is None:
+            engine = min(range(len(self._loads)), key=self._loads.__getitem__)
+            self._loads[engine] += header.nbytes
+            state = _Key(key, dtype, header.nbytes, engine, self.config.num_workers)
+            self.keys[key] = state
+        elif (state.dtype, state.nbytes) != (dtype, header.nbytes):
+            raise ProtocolError(
+                f"key {key} is declared as {state.nbytes} bytes of dtype {state.dtype}; "
+                f"this INIT says {header.nbytes} bytes of dtype {dtype}"
+            )
+        return state
+
+    # -- engines ------------------------------------------------------------------------------
+
+    def _engine(self, index: int) -> None:
+        out = self._context.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self._replies_endpoint)
+        work = self._queues[index]
+        try:
+            while True:
+                item = work.get()
+                if item is None:
+                    return
+                header, identity, worker, payload = item
+                try:
+                    if header.op == Op.INIT:
+                        self._init(out, self.keys[header.key], identity, worker, payload)
+                    elif header.op == Op.PUSH:
+                        self._push(out, self.keys[header.key], worker, header.round, payload)
+                    else:
+                        self._pull(out, self.keys[header.key], identity, worker, header.round)
+                except _Reject as exc:
+                    self._reply_error(out, identity, header, exc)
+                except Exception as exc:  # a kernel or allocation failure must not kill the engine
+                    log.exception("engine %d failed on %s", index, Op(header.op).name)
+                    self._reply_error(out, identity, header, exc)
+        finally:
+            out.close()
+
+    def _init(self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, payload: Any) -> None:
+        if st.ready:
+            raise _Reject(f"key {st.key} is already declared by every worker")
+        if worker in st.inits:
+            raise _Reject(f"worker {worker} declared key {st.key} twice")
+        st.inits[worker] = payload
+        st.init_waiters.append((identity, worker))
+        if len(st.inits) < st.num_workers:
+            return
+        dtype = numpy_dtype(st.dtype)
+        if not st.restored:
+            st.value = np.zeros(st.nbytes // dtype.itemsize, dtype)
+            first = next((st.inits[w] for w in sorted(st.inits) if st.inits[w] is not None), None)
+            if first is not None:
+                np.copyto(st.value, np.frombuffer(first.buffer, dtype))
+            if self.optimizer is not None:
+                st.opt = self.optimizer.new_state(st.value.size)
+            st.counts = np.zeros(st.num_workers, np.int64)
+        if self.optimizer is not None and not self.config.enable_async:
+            st.grad = np.empty_like(st.value)
+        st.pushed = bytearray(st.num_workers)
+        st.inits.clear()
+        st.ready = True
+        for ident, w in st.init_waiters:
+            round = int(st.counts[w]) if self.config.enable_async else st.round
+            head = pack_header(
+                Op.INIT_ACK, sender=self.node_id, key=st.key, round=round, dtype=st.dtype, flags=self.flags
+            )
+            out.send_multipart([ident, head])
+        st.init_waiters.clear()
+
+    def _push(self, out: zmq.Socket, st: _Key, worker: int, round: int, payload: Any) -> None:
+        if not st.ready or st.value is None or st.counts is None:
+            raise _Reject(f"PUSH of key {st.key} before every worker declared it")
+        dtype = st.value.dtype
+        if self.config.enable_async:
+            if round != st.counts[worker]:
+                raise _Reject(
+                    f"PUSH of key {st.key} round {round}; worker {worker} is at {st.counts[worker]}"
+                )
+            grad = np.frombuffer(payload.buffer, dtype)
+            if self.optimizer is not None and st.opt is not None:
+                self.optimizer.step(st.value, grad, st.opt)
+            else:
+                kernels.sum_into(st.value, grad)
+            st.counts[worker] += 1
+            self._answer_ready_pulls(out, st)
+            return
+        if round != st.round:
+            raise _Reject(f"PUSH of key {st.key} for round {round} while the key is at round {st.round}")
+        if st.pushed[worker]:
+            raise _Reject(f"worker {worker} pushed key {st.key} twice in round {round}")
+        st.pushed[worker] = 1
+        st.frames.append(payload)
+        if len(st.frames) < st.num_workers:
+            return
+        target = st.grad if st.grad is not None else st.value
+        sources = [np.frombuffer(frame.buffer, dtype) for frame in st.frames]
+        np.copyto(target, sources[0])
+        kernels.sum_into(target, *sources[1:])
+        if self.optimizer is not None and st.opt is not None:
+            self.optimizer.step(st.value, target, st.opt)
+        st.frames.clear()
+        st.pushed = bytearray(st.num_workers)
+        st.round += 1
+        for identity, _, pull_round in st.pulls:
+            self._send_value(out, st, identity, pull_round, copy=False)
+        st.pulls.clear()
+
+    def _pull(self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, round: int) -> None:
+        if not st.ready or st.counts is None:
+            raise _Reject(f"PULL of key {st.key} before every worker declared it")
+        if self.config.enable_async:
+            if round + 1 != st.counts[worker]:
+                raise _Reject(
+                    f"PULL of key {st.key} round {round} before worker {worker}'s push of that round"
+                )
+            st.pulls.append((identity, worker, round))
+            self._answer_ready_pulls(out, st)
+        elif round == st.round - 1:
+            self._send_value(out, st, identity, round, copy=False)
+        elif round == st.round:
+            st.pulls.append((identity, worker, round))
+        else:
+            raise _Reject(f"PULL of key {st.key} round {round} while the key is at round {st.round}")
+
+    def _answer_ready_pulls(self, out: zmq.Socket, st: _Key) -> None:
+        if not st.pulls or st.counts is None:
+            return
+        staleness = self.config.max_staleness
+        slowest = int(st.counts.min())
+        waiting = []
+        for identity, worker, round in st.pulls:
+            if staleness is None or slowest >= round + 1 - staleness:
+                self._send_value(out, st, identity, round, copy=True)
+            else:
+                waiting.append((identity, worker, round))
+        st.pulls = waiting
+
+    def _send_value(self, out: zmq.Socket, st: _Key, identity: bytes, round: int, *, copy: bool) -> None:
+        head = pack_header(
+            Op.PULL_REPLY,
+            sender=self.node_id,
+            key=st.key,
+            round=round,
+            dtype=st.dtype,
+            nbytes=st.nbytes,
+            flags=self.flags,
+        )
+        out.send_multipart([identity, head, st.value], copy=copy)
+
+    def _reply_error(self, sock: zmq.Socket, identity: bytes, header: Any, exc: Exception) -> None:
+        key, round = (header.key, header.round) if header is not None else (0, 0)
+        log.warning("rejected a message from %r (key %d round %d): %s", identity, key, round, exc)
+        reason = f"server {self.rank}: {exc}".encode()
+        head = pack_header(Op.ERROR, sender=self.node_id, key=key, round=round, nbytes=len(reason))
+        sock.send_multipart([identity, head, reason])
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _stop_engines(self) -> None:
+        for work in self._queues:
+            work.put(None)
+        for thread in self._engines:
+            thread.join()
+        self._engines = []
+
+    def _close(self) -> None:
+        if not self._context.closed:
+            self._link.close()
+            self._replies.close(linger=0)
+            self._data.close(linger=0)
+            self._security.close()
+            self._context.term()
+
+    def save(self, path: str | Path) -> None:
+        """Write every key's store, round and optimizer state to ``path`` (an ``.npz`` file)."""
+        meta: dict[str, Any] = {
+            "version": _CHECKPOINT_VERSION,
+            "rank": self.rank,
+            "optimizer": self.optimizer.config.name if self.optimizer else "none",
+            "enable_async": self.config.enable_async,
+            "keys": [],
+        }
+        arrays: dict[str, np.ndarray] = {}
+        for st in self.keys.values():
+            if st.value is None or st.counts is None:
+                continue
+            meta["keys"].append(
+                {
+                    "key": st.key,
+                    "dtype": st.dtype,
+                    "nbytes": st.nbytes,
+                    "round": st.round,
+                    "step": st.opt.step if st.opt else 0,
+                    "counts": st.counts.tolist(),
+                }
+            )
+            arrays[f"value_{st.key}"] = st.value
+            for name, buf in st.opt.buffers.items() if st.opt else ():
+                arrays[f"state_{st.key}_{name}"] = buf
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            np.savez(fh, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+        tmp.replace(path)
+        log.info("checkpoint of %d keys written to %s", len(meta["keys"]), path)
+
+    def _restore(self, path: Path) -> int | None:
+        try:
+            with np.load(path) as data:
+                meta = json.loads(bytes(data["meta"]))
+                if meta.get("version") != _CHECKPOINT_VERSION:
+                    raise ValueError(
+                        f"checkpoint version {meta.get('version')}, expected {_CHECKPOINT_VERSION}"
+                    )
+                name = self.optimizer.config.name if self.optimizer else "none"
+                if meta["optimizer"] != name or meta["enable_async"] != self.config.enable_async:
+                    raise ValueError(
+                        f"checkpoint was written with TAGPS_SERVER_OPTIMIZER={meta['optimizer']} and "
+                        f"BYTEPS_ENABLE_ASYNC={int(meta['enable_async'])}; this server has {name} and "
+                        f"{int(self.config.enable_async)}"
+                    )
+                for entry in meta["keys"]:
+                    key = int(entry["key"])
+                    engine = min(range(len(self._loads)), key=self._loads.__getitem__)
+                    self._loads[engine] += int(entry["nbytes"])
+                    st = _Key(key, int(entry["dtype"]), int(entry["nbytes"]), engine, self.config.num_workers)
+                    st.value = np.array(data[f"value_{key}"])
+                    st.round = int(entry["round"])
+                    st.counts = np.array(entry["counts"], np.int64)
+                    if st.counts.size != self.config.num_workers:
+                        raise ValueError(f"checkpoint has {st.counts.size} workers, DMLC_NUM_WORKER differs")
+                    if self.optimizer is not None:
+                        st.opt = OptimizerState(
+                            int(entry["step"]),
+                            {n: np.array(data[f"state_{key}_{n}"]) for n in self.optimizer.buffer_names()},
+                        )
+                    st.restored = True
+                    self.keys[key] = st
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"cannot restore the server checkpoint {path}: {exc}") from None
+        self._restored_rank = meta["rank"]
+        log.info("restored %d keys from %s", len(self.keys), path)
+        return self._restored_rank

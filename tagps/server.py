@@ -1,0 +1,47 @@
+"""``python -m tagps.server``: run one summation server of a PS job (configured by ``DMLC_*`` etc.).
+
+Flags:
+    --checkpoint PATH  write the store and optimizer state to PATH at a clean shutdown.
+    --restore PATH     start from a checkpoint written by ``--checkpoint`` (same rank and settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tagps.config import ConfigError, ps_config, server_optimizer_config
+from tagps.ps.node import configure_logging
+from tagps.ps.server import SummationServer
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until the job finishes; return the exit status (0 done, 1 failed, 2 bad config or flags)."""
+    parser = argparse.ArgumentParser(prog="python -m tagps.server", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--checkpoint", metavar="PATH", help="write the server state here at a clean shutdown"
+    )
+    parser.add_argument("--restore", metavar="PATH", help="start from this checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        config = ps_config({**os.environ, "DMLC_ROLE": os.environ.get("DMLC_ROLE") or "server"})
+        if config.role != "server":
+            raise ConfigError(f"DMLC_ROLE={config.role} but this is tagps.server")
+        optimizer = server_optimizer_config()
+    except ConfigError as exc:
+        print(f"tagps.server: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config, "server")
+    try:
+        server = SummationServer(config, optimizer, checkpoint=args.checkpoint, restore=args.restore)
+    except (ValueError, RuntimeError) as exc:
+        print(f"tagps.server: {exc}", file=sys.stderr)
+        return 2
+    return server.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Start real PS jobs on 127.0.0.1 for tests: a scheduler, servers and worker processes, each bounded.
+
+Reusable by other test folders::
+
+    from tests.ps.conftest import PSJob
+    with PSJob(num_workers=2, num_servers=2) as job:
+        results = job.run_workers("from tagps.ps import PSClient; ...", timeout=60)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+__all__ = ["PSJob", "WorkerResult", "free_port"]
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class WorkerResult:
+    """Exit status and output of one worker process."""
+
+    worker_id: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def check(self) -> WorkerResult:
+        """Raise AssertionError with the worker's output unless it exited with 0."""
+        if self.returncode != 0:
+            raise AssertionError(
+                f"worker {self.worker_id} exited with {self.returncode}\n--- stdout\n{self.stdout}\n"
+                f"--- stderr\n{self.stderr}"
+            )
+        return self
+
+
+class PSJob:
+    """A scheduler plus ``num_servers`` servers on 127.0.0.1; workers are started by :meth:`run_workers`.
+
+    Args:
+        num_workers: worker machines (DMLC_NUM_WORKER).
+        num_servers: summation servers (DMLC_NUM_SERVER).
+        env: extra variables for every process (e.g. BYTEPS_ENABLE_ASYNC).
+        server_args: extra command-line flags per server rank order of start (e.g. ``--checkpoint``).
+        start_scheduler: start the scheduler (False: a test starts its own).
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        num_servers: int = 2,
+        env: dict[str, str] | None = None,
+        server_args: list[list[str]] | None = None,
+        start_scheduler: bool = True,
+    ) -> None:
+        self.num_workers = num_workers
+        self.num_servers = num_servers
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "DMLC_NUM_WORKER": str(num_workers),
+            "DMLC_NUM_SERVER": str(num_servers),
+            "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": str(self.port),
+            "DMLC_NODE_HOST": "127.0.0.1",
+            "BYTEPS_SERVER_ENGINE_THREAD": "2",
+            "PS_HEARTBEAT_INTERVAL": "0.2",
+            "PS_HEARTBEAT_TIMEOUT": "3",
+            "BYTEPS_LOG_LEVEL": "WARNING",
+            **(env or {}),
+        }
+        self.server_args = server_args or [[] for _ in range(num_servers)]
+        self.start_scheduler = start_scheduler
+        self.scheduler: subprocess.Popen[str] | None = None
+        self.servers: list[subprocess.Popen[str]] = []
+        self._all: list[subprocess.Popen[str]] = []
+
+    def __enter__(self) -> PSJob:
+        if self.start_scheduler:
+            self.scheduler = self.spawn([sys.executable, "-m", "tagps.scheduler"], {"DMLC_ROLE": "scheduler"})
+        for args in self.server_args:
+            self.servers.append(
+                self.spawn([sys.executable, "-m", "tagps.server", *args], {"DMLC_ROLE": "server"})
+            )
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for proc in self._all:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self._all:
+            proc.wait(timeout=10)
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        """Start a process of this job (in its own process group, output captured)."""
+        proc = subprocess.Popen(
+            argv,
+            env={**self.env, **env},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._all.append(proc)
+        return proc
+
+    def start_worker(
+        self, worker_id: int, code: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        """Start worker machine ``worker_id`` running the Python source ``code``."""
+        worker_env = {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(worker_id), **(env or {})}
+        return self.spawn([sys.executable, "-c", textwrap.dedent(code)], worker_env)
+
+    def run_workers(
+        self, code: str, timeout: float = 60, env: dict[str, str] | None = None
+    ) -> list[WorkerResult]:
+        """Run ``code`` on every worker machine and return their results (killing them after ``timeout``)."""
+        procs = [self.start_worker(i, code, env) for i in range(self.num_workers)]
+        return [self.finish(i, proc, timeout) for i, proc in enumerate(procs)]
+
+    def finish(self, worker_id: int, proc: subprocess.Popen[str], timeout: float) -> WorkerResult:
+        """Wait for ``proc`` (killing it after ``timeout`` s) and collect its output."""
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            err += f"\n[killed after {timeout} s]"
+        return WorkerResult(worker_id, proc.returncode, out, err)
+
+    def wait_infrastructure(self, timeout: float = 20) -> dict[str, int | None]:
+        """Wait for the scheduler and servers to exit; return their exit codes by name."""
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        named = [("scheduler", self.scheduler)] if self.scheduler else []
+        named += [(f"server{i}", p) for i, p in enumerate(self.servers)]
+        for name, proc in named:
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        return codes
