@@ -28,11 +28,31 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_demo)
 
 
+def _run_cluster_down(args: argparse.Namespace) -> int:
+    from tagps.cluster import ClusterError, down_all
+
+    try:
+        removed = down_all()
+    except ClusterError as exc:
+        print(f"tagps cluster down: {exc}", file=sys.stderr)
+        return 1
+    print(f"removed {len(removed)} namespaces and links" + (f": {' '.join(removed)}" if removed else ""))
+    return 0
+
+
+def _add_cluster(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="emulated clusters: network namespaces with tc-limited links")
+    cluster = p.add_subparsers(dest="cluster_command", required=True)
+    down = cluster.add_parser("down", help="remove every tagps- namespace and link (also after a crash)")
+    down.set_defaults(func=_run_cluster_down)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the `tagps` command."""
     parser = argparse.ArgumentParser(prog="tagps", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
+    _add_cluster(sub)
     return parser
 
 

@@ -250,3 +250,13 @@ def test_missing_iproute2_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
 def test_down_all_rejects_a_bad_index() -> None:
     with pytest.raises(ValueError, match="index"):
         down_all(512)
+
+
+def test_cli_down_without_root_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from tagps.cli import main
+
+    monkeypatch.setattr(netns_module.os, "geteuid", lambda: 1000)
+    assert main(["cluster", "down"]) == 1
+    assert "need root" in capsys.readouterr().err
