@@ -482,3 +482,66 @@ def test_free_ports_are_distinct() -> None:
 def test_launch_options_need_local() -> None:
     res = _bpslaunch("--servers", "2", "true", env=_clean_env(DMLC_ROLE="worker"))
     assert res.returncode == 2 and "only apply with --local" in res.stderr
+
+
+# The real job: scheduler and servers from tagps, workers that push_pull through them.
+PS_WORKER = textwrap.dedent(
+    """
+    import os, sys, numpy as np
+    from tagps.ps.client import PSClient
+    client = PSClient.from_env()
+    w = client.worker_id
+    if sys.argv[1] == "crash" and w == 1:
+        os._exit(3)  # registered, then gone without a word
+    client.declare("t", 4 * 1000, np.float32)
+    client.barrier()
+    buf = np.arange(1000, dtype=np.float32) * (w + 1)
+    client.wait(client.push_pull("t", buf, average=False), timeout=30)
+    assert np.array_equal(buf, np.arange(1000, dtype=np.float32) * 3), buf[:4]
+    print("sum ok", w)
+    client.close()
+    """
+)
+
+
+@pytest.mark.parametrize(("mode", "status"), [("ok", 0), ("crash", 3)])
+def test_local_job_with_real_scheduler_and_servers(tmp_path: Path, mode: str, status: int) -> None:
+    script = tmp_path / "ps_worker.py"
+    script.write_text(PS_WORKER)
+    mark = f"tagps-test-{os.getpid()}-{mode}"
+    res = _bpslaunch(
+        "--local",
+        "2",
+        "--servers",
+        "2",
+        "--grace",
+        "2",
+        "--",
+        sys.executable,
+        str(script),
+        mode,
+        env=_clean_env(TAGPS_TEST_MARK=mark),
+    )
+    assert res.returncode == status, res.stdout + res.stderr
+    if status == 0:
+        assert sorted(line for line in res.stdout.splitlines() if "sum ok" in line) == [
+            "[worker 0.0] sum ok 0",
+            "[worker 1.0] sum ok 1",
+        ]
+    else:
+        assert "worker 1.0 exited with status 3; stopping the job" in res.stdout
+    assert _processes_with(f"TAGPS_TEST_MARK={mark}") == []
+
+
+def _processes_with(variable: str) -> list[int]:
+    """Pids of live processes whose environment holds ``variable`` (``NAME=value``)."""
+    found = []
+    needle = variable.encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _alive(int(proc.name)):
+            try:
+                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
