@@ -4,12 +4,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/cpu.h"
 #include "common/dtype.h"
 #include "common/error.h"
+#include "kernels/adam.h"
+#include "kernels/cast.h"
+#include "kernels/rmsprop.h"
+#include "kernels/sgd.h"
 #include "kernels/sum.h"
 
 #define TAGPS_STRINGIFY(x) #x
@@ -60,6 +65,89 @@ void scale(py::array buf, double factor, int dtype_code) {
   tagps::kernels::scale(o);
 }
 
+void cast(py::array dst, const py::array& src, int dst_code, int src_code) {
+  tagps::kernels::CastOptions o;
+  o.dst_dtype = tagps::dtype_from_code(dst_code);
+  o.src_dtype = tagps::dtype_from_code(src_code);
+  o.dst = writable(dst, o.dst_dtype, "dst");
+  o.count = static_cast<size_t>(dst.size());
+  o.src = readable(src, o.src_dtype, o.count, "src");
+  py::gil_scoped_release release;
+  tagps::kernels::cast(o);
+}
+
+// float32 state buffer of `count` elements (nullptr when absent).
+float* f32_state(std::optional<py::array>& a, size_t count, const char* what) {
+  if (!a) return nullptr;
+  TAGPS_ENFORCE_EQ(static_cast<size_t>(a->size()), count, what, " size");
+  return static_cast<float*>(writable(*a, DType::kFloat32, what));
+}
+
+void adam_step(py::array param, const py::array& grad, py::array exp_avg, py::array exp_avg_sq,
+               std::optional<py::array> max_exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay) {
+  tagps::kernels::AdamOptions o;
+  o.count = static_cast<size_t>(param.size());
+  o.param = static_cast<float*>(writable(param, DType::kFloat32, "param"));
+  o.grad = static_cast<const float*>(readable(grad, DType::kFloat32, o.count, "grad"));
+  std::optional<py::array> m(exp_avg), v(exp_avg_sq);
+  o.exp_avg = f32_state(m, o.count, "exp_avg");
+  o.exp_avg_sq = f32_state(v, o.count, "exp_avg_sq");
+  o.max_exp_avg_sq = f32_state(max_exp_avg_sq, o.count, "max_exp_avg_sq");
+  o.step = step;
+  o.lr = lr;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.eps = eps;
+  o.weight_decay = weight_decay;
+  o.amsgrad = amsgrad;
+  o.maximize = maximize;
+  o.decoupled_weight_decay = decoupled_weight_decay;
+  py::gil_scoped_release release;
+  tagps::kernels::adam_step(o);
+}
+
+void rmsprop_step(py::array param, const py::array& grad, py::array square_avg,
+                  std::optional<py::array> momentum_buffer, std::optional<py::array> grad_avg, double lr,
+                  double alpha, double eps, double weight_decay, double momentum, bool centered, bool maximize) {
+  tagps::kernels::RmspropOptions o;
+  o.count = static_cast<size_t>(param.size());
+  o.param = static_cast<float*>(writable(param, DType::kFloat32, "param"));
+  o.grad = static_cast<const float*>(readable(grad, DType::kFloat32, o.count, "grad"));
+  std::optional<py::array> sq(square_avg);
+  o.square_avg = f32_state(sq, o.count, "square_avg");
+  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer");
+  o.grad_avg = f32_state(grad_avg, o.count, "grad_avg");
+  o.lr = lr;
+  o.alpha = alpha;
+  o.eps = eps;
+  o.weight_decay = weight_decay;
+  o.momentum = momentum;
+  o.centered = centered;
+  o.maximize = maximize;
+  py::gil_scoped_release release;
+  tagps::kernels::rmsprop_step(o);
+}
+
+void sgd_step(py::array param, const py::array& grad, std::optional<py::array> momentum_buffer, double lr,
+              double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+              bool first_step) {
+  tagps::kernels::SgdOptions o;
+  o.count = static_cast<size_t>(param.size());
+  o.param = static_cast<float*>(writable(param, DType::kFloat32, "param"));
+  o.grad = static_cast<const float*>(readable(grad, DType::kFloat32, o.count, "grad"));
+  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer");
+  o.lr = lr;
+  o.momentum = momentum;
+  o.dampening = dampening;
+  o.weight_decay = weight_decay;
+  o.nesterov = nesterov;
+  o.maximize = maximize;
+  o.first_step = first_step;
+  py::gil_scoped_release release;
+  tagps::kernels::sgd_step(o);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -84,6 +172,19 @@ PYBIND11_MODULE(_core, m) {
         R"pbdoc(dst += srcs[0] + srcs[1] + ... in one pass; dtype is a DType code.)pbdoc");
   m.def("scale", &scale, py::arg("buf"), py::arg("factor"), py::arg("dtype"),
         R"pbdoc(buf *= factor in place; dtype is a DType code.)pbdoc");
+  m.def("cast", &cast, py::arg("dst"), py::arg("src"), py::arg("dst_dtype"), py::arg("src_dtype"),
+        R"pbdoc(dst = src converted between float32 and float16/bfloat16 (round-to-nearest-even).)pbdoc");
+  m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("max_exp_avg_sq").none(true), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
+        py::arg("decoupled_weight_decay"), R"pbdoc(Fused Adam/AdamW step on float32 buffers.)pbdoc");
+  m.def("rmsprop_step", &rmsprop_step, py::arg("param"), py::arg("grad"), py::arg("square_avg"),
+        py::arg("momentum_buffer").none(true), py::arg("grad_avg").none(true), py::arg("lr"), py::arg("alpha"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("momentum"), py::arg("centered"), py::arg("maximize"),
+        R"pbdoc(Fused RMSprop step on float32 buffers.)pbdoc");
+  m.def("sgd_step", &sgd_step, py::arg("param"), py::arg("grad"), py::arg("momentum_buffer").none(true),
+        py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
+        py::arg("maximize"), py::arg("first_step"), R"pbdoc(Fused SGD step on float32 buffers.)pbdoc");
 
   m.def("cpu_has_avx2", &tagps::cpu_has_avx2,
         R"pbdoc(True when the build has the AVX2 kernels and the CPU has AVX2, FMA and F16C.)pbdoc");

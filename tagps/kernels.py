@@ -24,10 +24,15 @@ from tagps import _core
 from tagps.config import kernel_config
 
 __all__ = [
+    "adam_step",
+    "adamw_step",
+    "cast",
     "num_threads",
+    "rmsprop_step",
     "scale",
     "set_num_threads",
     "set_simd_mode",
+    "sgd_step",
     "simd_mode",
     "sum_into",
 ]
@@ -43,6 +48,11 @@ _NUMPY_CODES: dict[np.dtype, int] = {
 }
 _CODE_NAMES: dict[int, str] = {int(v): name for name, v in _core.DType.__members__.items()}
 _FLOAT32 = int(_core.DType.float32)
+_CAST_PAIRS = frozenset(
+    pair
+    for half in (int(_core.DType.float16), int(_core.DType.bfloat16))
+    for pair in ((half, _FLOAT32), (_FLOAT32, half))
+)
 _INT_CODES = frozenset({int(_core.DType.int32), int(_core.DType.int64)})
 _SUPPORTED = "float32, float64, float16, bfloat16 (torch.bfloat16 or numpy uint16), int32, int64"
 
@@ -185,6 +195,279 @@ def scale(buf: Any, factor: float) -> None:
             f"factor {factor!r} is not integral; an integer buffer can only be scaled by an integer"
         )
     _core.scale(b.array, f, b.code)
+
+
+def cast(dst: Any, src: Any) -> None:
+    """Convert ``src`` into ``dst`` between float32 and float16/bfloat16.
+
+    Narrowing rounds to nearest even (float16 overflows to inf; a bfloat16 NaN becomes 0x7FC0 as in
+    torch); widening is exact.
+
+    Args:
+        dst: float32, float16 or bfloat16 array/tensor, written in place.
+        src: array/tensor with as many elements; one of the two must be float32 and the other 16-bit.
+
+    Raises:
+        TypeError: a pair other than float32 <-> float16/bfloat16.
+        ValueError: size mismatch, non-contiguous or read-only ``dst``, ``src`` sharing memory with ``dst``.
+    """
+    out = _buffer(dst, "dst", writable=True)
+    inp = _buffer(src, "src", writable=False)
+    if (out.code, inp.code) not in _CAST_PAIRS:
+        raise TypeError(
+            f"cast from {_CODE_NAMES[inp.code]} to {_CODE_NAMES[out.code]} is not supported; "
+            "supported: float32 <-> float16, float32 <-> bfloat16"
+        )
+    if inp.array.size != out.array.size:
+        raise ValueError(f"src has {inp.array.size} elements but dst has {out.array.size}")
+    _check_disjoint([out, inp])
+    _core.cast(out.array, inp.array, out.code, inp.code)
+
+
+def _optimizer_buffers(param: Any, grad: Any, **states: Any) -> dict[str, np.ndarray | None]:
+    """Validate the float32 buffers of an optimizer step: same size as ``param``, pairwise disjoint."""
+    p = _buffer(param, "param", writable=True)
+    buffers = [p, _buffer(grad, "grad", writable=False)]
+    buffers += [_buffer(x, name, writable=True) for name, x in states.items() if x is not None]
+    for b in buffers:
+        if b.code != _FLOAT32:
+            raise TypeError(f"{b.name} has dtype {_CODE_NAMES[b.code]}; the optimizer steps take float32")
+        if b.array.size != p.array.size:
+            raise ValueError(f"{b.name} has {b.array.size} elements but param has {p.array.size}")
+    _check_disjoint(buffers)
+    arrays: dict[str, np.ndarray | None] = dict.fromkeys(states)
+    arrays |= {b.name: b.array for b in buffers}
+    return arrays
+
+
+def _nonneg(value: Any, name: str) -> float:
+    v = _real(value, name)
+    if not v >= 0.0:  # also rejects NaN
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return v
+
+
+def _beta(value: Any, name: str) -> float:
+    v = _real(value, name)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return v
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def sgd_step(
+    param: Any,
+    grad: Any,
+    momentum_buffer: Any = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    first_step: bool = False,
+) -> None:
+    r"""Apply one SGD step in place, exactly as ``torch.optim.SGD`` (single-tensor path) does.
+
+    .. math::
+        g &= \pm\nabla + \lambda p \\
+        b &= \begin{cases} g & \text{first step} \\ \mu b + (1-\tau) g & \text{otherwise}\end{cases} \\
+        p &= p - \gamma\,(g + \mu b \text{ if nesterov else } b)
+
+    Args:
+        param: float32 parameters, updated in place.
+        grad: float32 gradient.
+        momentum_buffer: float32 buffer, required when ``momentum != 0``.
+        lr: learning rate :math:`\gamma`.
+        momentum: :math:`\mu` (default 0).
+        dampening: :math:`\tau` (default 0).
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
+        weight_decay: L2 penalty :math:`\lambda` (default 0).
+        maximize: ascend instead of descend.
+        first_step: the buffer has no history yet and is set to the gradient (torch's first step).
+    """
+    lr, momentum = _nonneg(lr, "lr"), _nonneg(momentum, "momentum")
+    dampening, weight_decay = _real(dampening, "dampening"), _nonneg(weight_decay, "weight_decay")
+    nesterov, maximize = _flag(nesterov, "nesterov"), _flag(maximize, "maximize")
+    first_step = _flag(first_step, "first_step")
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    if momentum != 0.0 and momentum_buffer is None:
+        raise ValueError("momentum != 0 needs a momentum_buffer")
+    a = _optimizer_buffers(param, grad, momentum_buffer=momentum_buffer if momentum != 0.0 else None)
+    _core.sgd_step(
+        a["param"], a["grad"], a["momentum_buffer"], lr, momentum, dampening, weight_decay, nesterov,
+        maximize, first_step,
+    )
+
+
+def _adam(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    max_exp_avg_sq: Any,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+) -> None:
+    """Shared body of :func:`adam_step` and :func:`adamw_step`."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step must be an int (1-based step count), got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"step is the 1-based step count, got {step}")
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1, beta2 = _beta(betas[0], "betas[0]"), _beta(betas[1], "betas[1]")
+    lr, eps, weight_decay = _nonneg(lr, "lr"), _nonneg(eps, "eps"), _nonneg(weight_decay, "weight_decay")
+    amsgrad, maximize = _flag(amsgrad, "amsgrad"), _flag(maximize, "maximize")
+    if amsgrad and max_exp_avg_sq is None:
+        raise ValueError("amsgrad=True needs a max_exp_avg_sq buffer")
+    a = _optimizer_buffers(
+        param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+        max_exp_avg_sq=max_exp_avg_sq if amsgrad else None,
+    )
+    _core.adam_step(
+        a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["max_exp_avg_sq"], int(step), lr, beta1,
+        beta2, eps, weight_decay, amsgrad, maximize, decoupled,
+    )
+
+
+def adam_step(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    max_exp_avg_sq: Any = None,
+    *,
+    step: int,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> None:
+    r"""Apply one Adam step in place, with ``torch.optim.Adam``'s semantics and order of operations.
+
+    .. math::
+        g &= \pm\nabla + \lambda p, \quad m = m + (1-\beta_1)(g - m), \quad
+        v = \beta_2 v + (1-\beta_2) g^2 \\
+        p &= p - \frac{\gamma}{1-\beta_1^t} \cdot
+        \frac{m}{\sqrt{\hat v} / \sqrt{1-\beta_2^t} + \epsilon},
+        \quad \hat v = \max(v_{\max}, v) \text{ if amsgrad else } v
+
+    Args:
+        param: float32 parameters, updated in place.
+        grad: float32 gradient.
+        exp_avg: float32 first moment, updated in place.
+        exp_avg_sq: float32 second moment, updated in place.
+        max_exp_avg_sq: float32 running maximum of the second moment, required when ``amsgrad``.
+        step: 1-based count of this step :math:`t` (torch's ``state["step"]`` after its increment).
+        lr: learning rate :math:`\gamma` (default 1e-3).
+        betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)).
+        eps: :math:`\epsilon` (default 1e-8).
+        weight_decay: L2 penalty :math:`\lambda` added to the gradient (default 0).
+        amsgrad: use the running maximum of the second moment.
+        maximize: ascend instead of descend.
+    """
+    _adam(
+        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
+        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, decoupled=False,
+    )
+
+
+def adamw_step(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    max_exp_avg_sq: Any = None,
+    *,
+    step: int,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> None:
+    r"""Apply one AdamW step in place, with ``torch.optim.AdamW``'s semantics.
+
+    As :func:`adam_step`, except that weight decay is decoupled: :math:`p = p(1 - \gamma\lambda)` before
+    the update instead of :math:`\lambda p` added to the gradient. Default ``weight_decay`` 1e-2.
+    """
+    _adam(
+        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
+        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, decoupled=True,
+    )
+
+
+def rmsprop_step(
+    param: Any,
+    grad: Any,
+    square_avg: Any,
+    momentum_buffer: Any = None,
+    grad_avg: Any = None,
+    *,
+    lr: float = 1e-2,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    maximize: bool = False,
+) -> None:
+    r"""Apply one RMSprop step in place, with ``torch.optim.RMSprop``'s semantics and order of operations.
+
+    .. math::
+        g &= \pm\nabla + \lambda p, \quad s = \alpha s + (1-\alpha) g^2, \quad
+        \bar g = \bar g + (1-\alpha)(g - \bar g) \text{ (centered)} \\
+        d &= \sqrt{s - \bar g^2} + \epsilon \text{ (centered) or } \sqrt{s} + \epsilon, \quad
+        b = \mu b + g / d, \quad p = p - \gamma b \text{ (momentum) or } p - \gamma g / d
+
+    Args:
+        param: float32 parameters, updated in place.
+        grad: float32 gradient.
+        square_avg: float32 running average of :math:`g^2`, updated in place.
+        momentum_buffer: float32 buffer, required when ``momentum > 0``.
+        grad_avg: float32 running average of :math:`g`, required when ``centered``.
+        lr: learning rate :math:`\gamma` (default 1e-2).
+        alpha: smoothing constant :math:`\alpha` (default 0.99).
+        eps: :math:`\epsilon` (default 1e-8).
+        weight_decay: L2 penalty :math:`\lambda` (default 0).
+        momentum: :math:`\mu` (default 0).
+        centered: normalise by the estimated variance of the gradient.
+        maximize: ascend instead of descend.
+    """
+    lr, alpha, eps = _nonneg(lr, "lr"), _nonneg(alpha, "alpha"), _nonneg(eps, "eps")
+    weight_decay, momentum = _nonneg(weight_decay, "weight_decay"), _nonneg(momentum, "momentum")
+    centered, maximize = _flag(centered, "centered"), _flag(maximize, "maximize")
+    if momentum > 0.0 and momentum_buffer is None:
+        raise ValueError("momentum > 0 needs a momentum_buffer")
+    if centered and grad_avg is None:
+        raise ValueError("centered=True needs a grad_avg buffer")
+    a = _optimizer_buffers(
+        param, grad, square_avg=square_avg,
+        momentum_buffer=momentum_buffer if momentum > 0.0 else None,
+        grad_avg=grad_avg if centered else None,
+    )
+    _core.rmsprop_step(
+        a["param"], a["grad"], a["square_avg"], a["momentum_buffer"], a["grad_avg"], lr, alpha, eps,
+        weight_decay, momentum, centered, maximize,
+    )
 
 
 def simd_mode() -> str:

@@ -111,3 +111,25 @@ struct Vec<DType::kInt64> {
 };
 
 }  // namespace tagps::kernels::detail
+
+namespace tagps::kernels::detail {
+
+// Eight-lane counterpart of ScalarOps (ops.h), operation for operation.
+struct Avx2Ops {
+  using V = __m256;
+  static constexpr size_t kWidth = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  // vmaxps returns its second operand when either is NaN; put a's NaN back.
+  static V max_nan(V a, V b) { return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+};
+
+}  // namespace tagps::kernels::detail
