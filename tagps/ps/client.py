@@ -143,6 +143,8 @@ class PSClient:
             self._teardown()
             raise
         self.node_id = book.node_id
+        #: ``(host, port)`` of every server, by rank.
+        self.servers = book.servers
         self._servers = self._connect(book)
         self._tensors: dict[str, _Tensor] = {}
         self._pending: list[_Tensor] = []
@@ -160,7 +162,8 @@ class PSClient:
         # I/O-thread state.
         self._queue: list[tuple[int, int, Handle, _Chunk]] = []
         self._seq = itertools.count()
-        self._in_flight: dict[int, tuple[Handle, _Chunk]] = {}
+        self._in_flight: dict[int, tuple[Handle, _Chunk]] = {}  # chunks whose pull is outstanding
+        self._unacked = 0  # pushes not yet acknowledged: the scheduling credit in use
         self._inits: dict[int, tuple[threading.Event, list[int]]] = {}
         self._chunk_of: dict[int, _Chunk] = {}
         self._barrier_event: threading.Event | None = None
@@ -471,7 +474,7 @@ class PSClient:
 
     def _pump(self) -> None:
         credit = self.config.scheduling_credit
-        while self._queue and len(self._in_flight) < credit:
+        while self._queue and self._unacked < credit:
             _, _, handle, chunk = heapq.heappop(self._queue)
             if handle.error is not None:
                 continue
@@ -494,6 +497,7 @@ class PSClient:
             )
             sock.send(pack_header(Op.PULL, sender=self.node_id, key=chunk.key, round=chunk.round, dtype=code))
             self._in_flight[chunk.key] = (handle, chunk)
+            self._unacked += 1
 
     def _drain_server(self, rank: int, sock: zmq.Socket) -> None:
         while True:
@@ -507,6 +511,8 @@ class PSClient:
                 raise JobFailed(f"bad message from server {rank}: {exc}") from None
             if header.op == Op.PULL_REPLY:
                 self._on_pull_reply(header, frames)
+            elif header.op == Op.PUSH_ACK:
+                self._unacked -= 1
             elif header.op == Op.INIT_ACK:
                 self._on_init_ack(rank, header)
             elif header.op == Op.ERROR:
@@ -541,14 +547,11 @@ class PSClient:
             event.set()
 
     def _on_error(self, rank: int, header: Any, frames: list[Any]) -> None:
+        # A rejected request leaves its key out of step with the other workers: fail the whole client.
         reason = bytes(frames[1].buffer).decode(errors="replace") if len(frames) > 1 else "no reason given"
-        entry = self._in_flight.pop(header.key, None)
-        if entry is not None:
-            handle = entry[0]
-            handle.error = reason
-            handle._done.set()
-            return
-        raise JobFailed(f"server {rank} rejected a request: {reason}")
+        raise JobFailed(
+            f"server {rank} rejected a request for key {header.key} round {header.round}: {reason}"
+        )
 
     def _on_scheduler(self) -> None:
         while self._link.socket.poll(0):

@@ -80,6 +80,7 @@ class Op(enum.IntEnum):
     PULL = 4  # worker → server: ask for the result of `round` of `key`
     PULL_REPLY = 5  # server → worker: the result (sum, or weights with a server optimizer)
     ERROR = 6  # any → sender of a bad message; payload: UTF-8 reason
+    PUSH_ACK = 7  # server → worker: the push was accepted (returns the worker's credit)
     REGISTER = 10  # node → scheduler; payload: JSON {role, host, port, worker_id, rank, ...}
     ADDRESS_BOOK = 11  # scheduler → node; payload: JSON {node_id, servers, workers}
     BARRIER = 12  # node → scheduler; payload: JSON {group}

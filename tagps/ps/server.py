@@ -277,7 +277,7 @@ class SummationServer:
                     if header.op == Op.INIT:
                         self._init(out, self.keys[header.key], identity, worker, payload)
                     elif header.op == Op.PUSH:
-                        self._push(out, self.keys[header.key], worker, header.round, payload)
+                        self._push(out, self.keys[header.key], identity, worker, header.round, payload)
                     else:
                         self._pull(out, self.keys[header.key], identity, worker, header.round)
                 except _Reject as exc:
@@ -319,15 +319,25 @@ class SummationServer:
             out.send_multipart([ident, head])
         st.init_waiters.clear()
 
-    def _push(self, out: zmq.Socket, st: _Key, worker: int, round: int, payload: Any) -> None:
+    def _push(
+        self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, round: int, payload: Any
+    ) -> None:
         if not st.ready or st.value is None or st.counts is None:
             raise _Reject(f"PUSH of key {st.key} before every worker declared it")
-        dtype = st.value.dtype
         if self.config.enable_async:
             if round != st.counts[worker]:
                 raise _Reject(
                     f"PUSH of key {st.key} round {round}; worker {worker} is at {st.counts[worker]}"
                 )
+        elif round != st.round:
+            raise _Reject(f"PUSH of key {st.key} for round {round} while the key is at round {st.round}")
+        elif st.pushed[worker]:
+            raise _Reject(f"worker {worker} pushed key {st.key} twice in round {round}")
+        # The ack returns the worker's credit at once, whatever the other workers do (no window deadlock).
+        head = pack_header(Op.PUSH_ACK, sender=self.node_id, key=st.key, round=round, dtype=st.dtype)
+        out.send_multipart([identity, head])
+        dtype = st.value.dtype
+        if self.config.enable_async:
             grad = np.frombuffer(payload.buffer, dtype)
             if self.optimizer is not None and st.opt is not None:
                 self.optimizer.step(st.value, grad, st.opt)
@@ -336,10 +346,6 @@ class SummationServer:
             st.counts[worker] += 1
             self._answer_ready_pulls(out, st)
             return
-        if round != st.round:
-            raise _Reject(f"PUSH of key {st.key} for round {round} while the key is at round {st.round}")
-        if st.pushed[worker]:
-            raise _Reject(f"worker {worker} pushed key {st.key} twice in round {round}")
         st.pushed[worker] = 1
         st.frames.append(payload)
         if len(st.frames) < st.num_workers:
@@ -353,8 +359,8 @@ class SummationServer:
         st.frames.clear()
         st.pushed = bytearray(st.num_workers)
         st.round += 1
-        for identity, _, pull_round in st.pulls:
-            self._send_value(out, st, identity, pull_round, copy=False)
+        for pull_identity, _, pull_round in st.pulls:
+            self._send_value(out, st, pull_identity, pull_round, copy=False)
         st.pulls.clear()
 
     def _pull(self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, round: int) -> None:

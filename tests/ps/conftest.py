@@ -1,10 +1,10 @@
 """Start real PS jobs on 127.0.0.1 for tests: a scheduler, servers and worker processes, each bounded.
 
-Reusable by other test folders::
+Usage (the ``ps_job`` fixture returns the class; other test folders can import this file by path)::
 
-    from tests.ps.conftest import PSJob
-    with PSJob(num_workers=2, num_servers=2) as job:
+    with ps_job(num_workers=2, num_servers=2) as job:
         results = job.run_workers("from tagps.ps import PSClient; ...", timeout=60)
+        config = job.client_config(worker_id=0)  # for a PSClient inside the test process
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from tagps.config import PSConfig, ps_config
+
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["PSJob", "WorkerResult", "free_port"]
+__all__ = ["PSJob", "WorkerResult", "free_port", "ps_job"]
 
 
 def free_port() -> int:
@@ -91,6 +95,7 @@ class PSJob:
         self.scheduler: subprocess.Popen[str] | None = None
         self.servers: list[subprocess.Popen[str]] = []
         self._all: list[subprocess.Popen[str]] = []
+        self._stderr: dict[int, str] = {}
 
     def __enter__(self) -> PSJob:
         if self.start_scheduler:
@@ -106,7 +111,14 @@ class PSJob:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self._all:
-            proc.wait(timeout=10)
+            self.output(proc)
+
+    def output(self, proc: subprocess.Popen[str]) -> str:
+        """Reap ``proc`` (after it exited or was killed) and return its stderr."""
+        if proc.stdout is not None and not proc.stdout.closed:
+            _, err = proc.communicate(timeout=10)
+            self._stderr[proc.pid] = err
+        return self._stderr.get(proc.pid, "")
 
     def spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
         """Start a process of this job (in its own process group, output captured)."""
@@ -144,7 +156,12 @@ class PSJob:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             err += f"\n[killed after {timeout} s]"
+        self._stderr[proc.pid] = err
         return WorkerResult(worker_id, proc.returncode, out, err)
+
+    def client_config(self, worker_id: int = 0, **env: str) -> PSConfig:
+        """Settings for a worker machine running inside the test process."""
+        return ps_config({**self.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(worker_id), **env})
 
     def wait_infrastructure(self, timeout: float = 20) -> dict[str, int | None]:
         """Wait for the scheduler and servers to exit; return their exit codes by name."""
@@ -158,3 +175,9 @@ class PSJob:
             except subprocess.TimeoutExpired:
                 codes[name] = None
         return codes
+
+
+@pytest.fixture
+def ps_job() -> type[PSJob]:
+    """The :class:`PSJob` class (use it as a context manager so every process is reaped)."""
+    return PSJob
