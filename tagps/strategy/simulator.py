@@ -1,0 +1,789 @@
+"""The virtual runtime: expands graph + topology + plan into a training graph and list-schedules it.
+
+One iteration is forward, backward, gradient synchronisation and the optimizer's apply. Every op group
+becomes one compute task per device group it runs on (the devices of a group run in lockstep at the
+largest per-device batch among them); tensors crossing device groups become transfer tasks; gradients
+become collective tasks. Resources are one compute stream per device group, one NIC channel per device
+group (inter-group traffic) and one bus channel per device group (intra-group traffic). A task starts
+when its predecessors are done and all its resources are free; resources serve tasks in the order they
+become ready (ties: creation order), from a heap of ``(time, priority, seq)`` events. Costs (see
+``docs/simulator.md``):
+
+.. math::
+    t_{ring}(S, n) = \\frac{2(n-1)}{n}\\frac{S}{B_{min}} + 2(n-1)\\,\\alpha\\,c
+
+    t_{ps}(S_s) = 2\\sum_{w \\ne s}\\frac{S_s}{B_{ws}} + 2\\max_w\\frac{m_w-1}{m_w}\\frac{S_s}{B^{intra}_w}
+        + 2\\alpha c_s
+
+    t_{sfb}(F, n) = \\frac{n-1}{n}\\frac{F}{B_{min}} + (n-1)\\,\\alpha + t_{wgrad}
+
+Peak memory per device is parameters + gradients + optimizer state + the activations kept for backward
+(+ gathered sufficient factors); a device over its memory makes the plan infeasible (OOM).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tagps.strategy.devices import DeviceType
+from tagps.strategy.graph import Graph
+from tagps.strategy.grouping import Grouping, split_ops
+from tagps.strategy.plan import Plan
+from tagps.strategy.topology import Topology
+
+__all__ = [
+    "OPTIMIZER_STATE",
+    "SimResult",
+    "Simulator",
+    "TaskRecord",
+    "allgather_time",
+    "ring_allreduce_time",
+]
+
+# Optimizer state per parameter byte, and bytes touched per parameter byte by the apply step.
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+APPLY_TRAFFIC = {"sgd": 3, "momentum": 5, "adam": 7}
+FUSION_COPIES = 2  # a fused buffer is copied in and out once
+PS_PARTITION_BYTES = 4_096_000  # BytePS's default BYTEPS_PARTITION_BYTES
+
+
+def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float, count: int = 1) -> float:
+    """Return the time of a ring all-reduce.
+
+    .. math::
+        t = \\frac{2(n-1)}{n}\\frac{S}{B_{min}} + 2(n-1)\\,\\alpha\\,c
+
+    Args:
+        nbytes: bytes reduced (S).
+        n: number of devices in the ring (1 means no communication).
+        bandwidth: the slowest link of the ring in bytes/s (B_min).
+        latency: per-message latency (alpha).
+        count: number of tensors (each pays the latency term).
+    """
+    if n < 1 or bandwidth <= 0:
+        raise ValueError(f"ring all-reduce needs n >= 1 and bandwidth > 0, got n={n}, bandwidth={bandwidth}")
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency * count
+
+
+def allgather_time(nbytes: float, n: int, bandwidth: float, latency: float, count: int = 1) -> float:
+    """Return the time of a ring all-gather of ``nbytes`` in total.
+
+    .. math::
+        t = \\frac{n-1}{n}\\frac{S}{B_{min}} + (n-1)\\,\\alpha\\,c
+    """
+    if n < 1 or bandwidth <= 0:
+        raise ValueError(f"all-gather needs n >= 1 and bandwidth > 0, got n={n}, bandwidth={bandwidth}")
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency * count
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One scheduled task (recorded when ``trace=True``)."""
+
+    name: str
+    category: str
+    resource: str
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """What one simulation reports.
+
+    Args:
+        iteration_time: seconds per training iteration.
+        feasible: False when a device runs out of memory.
+        oom_devices: devices over their memory.
+        peak_memory: bytes per device.
+        busy: compute seconds per device.
+        idle: ``iteration_time - busy`` per device.
+        group_finish: per op group, when its backward finished (max over its device groups).
+        tasks: every scheduled task (only with ``trace=True``).
+        op_times: per op, ``(start, end)`` of its forward on its first device group (``trace=True``).
+    """
+
+    iteration_time: float
+    feasible: bool
+    oom_devices: tuple[str, ...]
+    peak_memory: dict[str, int]
+    busy: dict[str, float]
+    idle: dict[str, float]
+    group_finish: list[float]
+    tasks: list[TaskRecord] = field(default_factory=list)
+    op_times: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def utilization(self) -> dict[str, float]:
+        """Busy fraction of the iteration per device."""
+        t = self.iteration_time or 1.0
+        return {d: b / t for d, b in self.busy.items()}
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The tasks as a Chrome trace (``chrome://tracing`` / Perfetto JSON object format)."""
+        if not self.tasks:
+            raise ValueError("no tasks recorded: simulate with trace=True to export a trace")
+        resources = sorted({t.resource for t in self.tasks})
+        tid = {r: i for i, r in enumerate(resources)}
+        events: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[r], "args": {"name": r}}
+            for r in resources
+        ]
+        events += [
+            {
+                "name": t.name,
+                "cat": t.category,
+                "ph": "X",
+                "pid": 0,
+                "tid": tid[t.resource],
+                "ts": t.start * 1e6,
+                "dur": (t.end - t.start) * 1e6,
+            }
+            for t in self.tasks
+        ]
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str | Path) -> None:
+        """Write :meth:`chrome_trace` to ``path``."""
+        Path(path).write_text(json.dumps(self.chrome_trace()))
+
+
+class _Schedule:
+    """Task graph under construction plus the list scheduler (plain lists for speed)."""
+
+    __slots__ = ("dur", "names", "npred", "res", "succ")
+
+    def __init__(self) -> None:
+        self.dur: list[float] = []
+        self.res: list[tuple[int, ...]] = []
+        self.succ: list[list[int]] = []
+        self.npred: list[int] = []
+        self.names: list[tuple[str, str]] = []
+
+    def add(self, dur: float, res: tuple[int, ...], deps: Sequence[int], name: tuple[str, str]) -> int:
+        t = len(self.dur)
+        self.dur.append(dur)
+        self.res.append(res)
+        self.succ.append([])
+        self.npred.append(len(deps))
+        self.names.append(name)
+        for d in deps:
+            self.succ[d].append(t)
+        return t
+
+    def run(self, nres: int) -> tuple[list[float], list[float], list[float]]:
+        """List-schedule; return per-task start, per-task finish and per-resource busy time."""
+        dur, res, succ, npred = self.dur, self.res, self.succ, list(self.npred)
+        n = len(dur)
+        start = [0.0] * n
+        finish = [0.0] * n
+        free = [0.0] * nres
+        busy = [0.0] * nres
+        heap: list[tuple[float, int, int, int]] = []
+        seq = itertools.count()
+        push, pop = heapq.heappush, heapq.heappop
+
+        def schedule(t: int, ready: float) -> None:
+            s = ready
+            rs = res[t]
+            for r in rs:
+                if free[r] > s:
+                    s = free[r]
+            d = dur[t]
+            f = s + d
+            for r in rs:
+                free[r] = f
+                busy[r] += d
+            start[t] = s
+            finish[t] = f
+            push(heap, (f, t, next(seq), t))
+
+        for t in range(n):
+            if npred[t] == 0:
+                schedule(t, 0.0)
+        done = 0
+        while heap:
+            f, _, _, t = pop(heap)
+            done += 1
+            for u in succ[t]:
+                npred[u] -= 1
+                if npred[u] == 0:
+                    schedule(u, f)
+        if done != n:
+            raise RuntimeError(f"simulator: {n - done} tasks never became ready (the task graph has a cycle)")
+        return start, finish, busy
+
+
+@dataclass(frozen=True)
+class _GroupCost:
+    ops: tuple[int, ...]
+    param_names: tuple[str, ...]
+    param_bytes: int
+    act_bytes: int  # per sample
+
+
+@dataclass(frozen=True)
+class _MPSegment:
+    """The part of a model-parallel op group that runs on one device group (per device figures)."""
+
+    dgroup: int
+    fwd: float
+    bwd: float
+    param_bytes: int
+    act_bytes: int  # per sample
+    nparams: int
+    out_bytes: int  # per sample, to the next segment
+    devices: int
+
+
+class Simulator:
+    """Costs plans for one (graph, grouping, topology); per-group costs are computed once and cached.
+
+    Args:
+        graph: the model's op graph.
+        grouping: its op groups (the plan's ``groups`` must list the same ops in the same order).
+        topology: the device topology plans are made for.
+        device_types: optional calibrated device types by name, overriding the table's.
+        seed: METIS seed for model-parallel splits.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        grouping: Grouping,
+        topology: Topology,
+        device_types: dict[str, DeviceType] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.graph, self.grouping, self.topology, self.seed = graph, grouping, topology, seed
+        overrides = device_types or {}
+        self.dgroups = topology.groups
+        self.dindex = {g.name: i for i, g in enumerate(self.dgroups)}
+        self.dtypes = [overrides.get(g.device, g.device_type) for g in self.dgroups]
+        n = len(self.dgroups)
+        self.bw = [[topology.bandwidth(a.name, b.name) for b in self.dgroups] for a in self.dgroups]
+        # Resources: compute stream g, NIC g (n + g), bus g (2n + g).
+        self.nres = 3 * n
+        self.param_index = {name: i for i, name in enumerate(graph.params)}
+        owner_op: dict[str, int] = {}
+        for i, op in enumerate(graph.ops):
+            for p in op.params:
+                owner_op[p] = i
+        self.owner_op = owner_op
+        self.groups: list[_GroupCost] = []
+        for ops in grouping.groups:
+            names = tuple(p for i in ops for p in graph.ops[i].params)
+            self.groups.append(
+                _GroupCost(
+                    tuple(ops),
+                    names,
+                    sum(graph.params[p] for p in names),
+                    sum(graph.ops[i].out_bytes for i in ops),
+                )
+            )
+        op_group = grouping.op_group
+        edges: dict[tuple[int, int], int] = {}
+        for src, dst, nbytes in graph.edges:
+            a, b = op_group[src], op_group[dst]
+            if a != b:
+                edges[(a, b)] = edges.get((a, b), 0) + nbytes
+        self.edges = sorted(edges.items())
+        self.preds: list[list[tuple[int, int]]] = [[] for _ in self.groups]
+        for (a, b), nbytes in self.edges:
+            self.preds[b].append((a, nbytes))
+        self._time_cache: dict[tuple[int, int, float], tuple[float, float]] = {}
+        self._mp_cache: dict[tuple[int, tuple[int, ...], int], list[_MPSegment]] = {}
+        self._ring_cache: dict[tuple[tuple[int, int], ...], tuple[float, float, tuple[int, ...]]] = {}
+        self._ps_cache: dict[
+            tuple[tuple[tuple[int, int], ...], int], tuple[float, tuple[int, ...], bool]
+        ] = {}
+
+    # ------------------------------------------------------------------ cost pieces
+    def ops_time(self, ops: Sequence[int], dtype: DeviceType, batch: float) -> tuple[float, float]:
+        """Forward and backward seconds of ``ops`` on one device of ``dtype`` at ``batch`` samples.
+
+        .. math::
+            t_{fwd} = \\sum_{op} \\mathrm{roofline}(F_{op} b,\\ M_{op} + (I_{op} + O_{op}) b), \\quad
+            t_{bwd} = \\sum_{op} \\mathrm{roofline}(F^{bwd}_{op} b,\\ 2M_{op} + 2(I_{op} + O_{op}) b)
+        """
+        fwd = bwd = 0.0
+        ops_list = self.graph.ops
+        for i in ops:
+            op = ops_list[i]
+            io = (op.in_bytes + op.out_bytes) * batch
+            fwd += dtype.op_time(op.fwd_flops * batch, op.param_bytes + io)
+            bwd += dtype.op_time(op.bwd_flops * batch, 2 * op.param_bytes + 2 * io)
+        return fwd, bwd
+
+    def group_time(self, group: int, dgroup: int, batch: float) -> tuple[float, float]:
+        """Cached :meth:`ops_time` of op group ``group`` on device group ``dgroup``."""
+        key = (group, dgroup, batch)
+        hit = self._time_cache.get(key)
+        if hit is None:
+            hit = self._time_cache[key] = self.ops_time(self.groups[group].ops, self.dtypes[dgroup], batch)
+        return hit
+
+    def apply_time(self, param_bytes: float, nparams: int, dtype: DeviceType, optimizer: str) -> float:
+        """Seconds of the optimizer step over ``param_bytes`` (memory bound) on one device."""
+        if nparams == 0:
+            return 0.0
+        traffic = APPLY_TRAFFIC[optimizer] * param_bytes
+        return traffic / (dtype.memory_bandwidth * dtype.memory_efficiency) + nparams * dtype.op_overhead_s
+
+    def _ring(self, members: dict[int, int]) -> tuple[float, float, tuple[int, ...]]:
+        """Slowest link, latency and channels of a ring over ``{device group: participating devices}``."""
+        key = tuple(members.items())
+        hit = self._ring_cache.get(key)
+        if hit is None:
+            hit = self._ring_cache[key] = self._ring_uncached(members)
+        return hit
+
+    def _ring_uncached(self, members: dict[int, int]) -> tuple[float, float, tuple[int, ...]]:
+        n = len(self.dgroups)
+        inner = [g for g, m in members.items() if m > 1]
+        if len(members) == 1:
+            (g,) = members
+            return self.bw[g][g], self.topology.intra_latency_s, (2 * n + g,)
+        bmin = min(self.bw[a][b] for a in members for b in members if a != b)
+        for g in inner:
+            bmin = min(bmin, self.bw[g][g])
+        res = tuple(n + g for g in members) + tuple(2 * n + g for g in inner)
+        return bmin, self.topology.inter_latency_s, res
+
+    def _members(self, per: dict[int, list[float]]) -> tuple[dict[int, int], int]:
+        """Participating devices per device group of a replicated layout, and their total."""
+        members = {g: sum(1 for b in row if b > 0) for g, row in per.items()}
+        return members, sum(members.values())
+
+    def _ps(self, members: dict[int, int], server: int) -> tuple[float, tuple[int, ...], bool]:
+        """Seconds per byte of one PS push (or pull) through ``server``, its channels, and whether remote.
+
+        Remote workers share the server's NIC; each device group first reduces inside itself.
+        """
+        key = (tuple(members.items()), server)
+        hit = self._ps_cache.get(key)
+        if hit is None:
+            bw, n = self.bw, len(self.dgroups)
+            remote = [w for w in members if w != server]
+            coef = sum(1 / bw[w][server] for w in remote)
+            coef += max((m - 1) / m / bw[w][w] for w, m in members.items())
+            res = (n + server,) if remote else tuple(2 * n + w for w in members)
+            hit = self._ps_cache[key] = (coef, res, bool(remote))
+        return hit
+
+    def _mp_layout(self, group: int, order: tuple[int, ...], batch: int) -> list[_MPSegment]:
+        """Model-parallel layout of op group ``group`` over device groups ``order`` (METIS parts, cached)."""
+        key = (group, order, batch)
+        hit = self._mp_cache.get(key)
+        if hit is not None:
+            return hit
+        k = sum(self.dgroups[g].count for g in order)
+        parts = split_ops(self.graph, self.groups[group].ops, k, self.seed)
+        ops = self.graph.ops
+        part_of = {op: j for j, part in enumerate(parts) for op in part}
+        segments: list[_MPSegment] = []
+        pos = 0
+        for g in order:
+            mine = list(range(pos, min(pos + self.dgroups[g].count, len(parts))))
+            pos += self.dgroups[g].count
+            if not mine:
+                break
+            dtype = self.dtypes[g]
+            fwd = bwd = 0.0
+            for j in mine:
+                f, b = self.ops_time(parts[j], dtype, batch)
+                fwd, bwd = fwd + f, bwd + b
+            intra = out = 0
+            for src, dst, nbytes in self.graph.edges:
+                a, b = part_of.get(src), part_of.get(dst)
+                if a in mine and b is not None and a != b:
+                    if b in mine:
+                        intra += nbytes
+                    else:
+                        out += nbytes
+            cut = intra * batch / self.bw[g][g]
+            pbytes = [sum(ops[i].param_bytes for i in parts[j]) for j in mine]
+            abytes = [sum(ops[i].out_bytes for i in parts[j]) for j in mine]
+            nparams = max(sum(len(ops[i].params) for i in parts[j]) for j in mine)
+            segments.append(
+                _MPSegment(g, fwd + cut, bwd + cut, max(pbytes), max(abytes), nparams, out, len(mine))
+            )
+        self._mp_cache[key] = segments
+        return segments
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, plan: Plan, trace: bool = False) -> SimResult:
+        """Simulate one training iteration of ``plan``.
+
+        Args:
+            plan: a validated plan whose op groups are this simulator's grouping, in order.
+            trace: also record every task (for :meth:`SimResult.chrome_trace`) and per-op forward times.
+
+        Returns:
+            The :class:`SimResult`.
+
+        Raises:
+            ValueError: the plan does not fit this simulator (group count, topology, missing gradients).
+        """
+        groups = self.groups
+        if len(plan.groups) != len(groups):
+            raise ValueError(
+                f"plan has {len(plan.groups)} op groups, the simulator's grouping has {len(groups)}"
+            )
+        if plan.topology.groups != self.topology.groups:
+            raise ValueError(f"plan was made for topology {plan.topology.name!r}, not {self.topology.name!r}")
+        dgroups, dtypes, bw = self.dgroups, self.dtypes, self.bw
+        ndg = len(dgroups)
+        nic, bus = ndg, 2 * ndg
+        batch = plan.batch_size
+        fbatch = float(batch)
+        shares = [[plan.batch_shares.get(f"{g.name}:{k}", 0) for k in range(g.count)] for g in dgroups]
+        inter_lat, intra_lat = self.topology.inter_latency_s, self.topology.intra_latency_s
+        sched = _Schedule()
+        add = sched.add
+
+        # Layout of every op group: {device group: per-device batch (0: device not used)}.
+        layout_cache: dict[tuple[tuple[str, ...], str], dict[int, list[float]]] = {}
+        layouts: list[dict[int, list[float]]] = []
+        for gp in plan.groups:
+            key = (gp.placement, gp.option)
+            per = layout_cache.get(key)
+            if per is None:
+                idx = [self.dindex[name] for name in gp.placement]
+                per = {}
+                if gp.option in ("allreduce", "ps"):
+                    total = sum(sum(shares[g]) for g in idx)
+                    for g in idx:
+                        if any(shares[g]):
+                            per[g] = [batch * s / total for s in shares[g]]
+                else:
+                    for g in idx:
+                        per[g] = [fbatch] * dgroups[g].count
+                layout_cache[key] = per
+            layouts.append(per)
+
+        # ---------------- forward
+        fwd_out: list[dict[int, int]] = []  # task that leaves group i's output on device group g
+        fwd_in: list[dict[int, int]] = []  # first forward task of group i on device group g
+        exits: list[dict[int, float]] = []  # samples of group i's output available per device group
+        mp_segments: list[list[_MPSegment] | None] = []
+        in_records: list[list[tuple[Any, ...]]] = []
+        fwd_tasks: list[list[int]] = []
+        for i, gp in enumerate(plan.groups):
+            per = layouts[i]
+            option = gp.option
+            if option == "mp":
+                order = tuple(self.dindex[name] for name in gp.placement)
+                segs = self._mp_layout(i, order, batch)
+                entry = [segs[0].dgroup]
+            else:
+                segs = None
+                entry = list(per)
+            mp_segments.append(segs)
+            deps: dict[int, list[int]] = {g: [] for g in entry}
+            records: list[tuple[Any, ...]] = []
+            for j, nbytes in self.preds[i]:
+                src = layouts[j]
+                if (
+                    option != "mp"
+                    and plan.groups[j].option != "mp"
+                    and (src is per or src == per)
+                    and ((option == "duplicate") == (plan.groups[j].option == "duplicate"))
+                ):
+                    for g in entry:
+                        deps[g].append(fwd_out[j][g])
+                    records.append(("direct", j))
+                    continue
+                have = exits[j]
+                for g in entry:
+                    need = fbatch if option in ("duplicate", "mp") else sum(per[g])
+                    local = have.get(g, 0.0)
+                    edge_deps: list[int] = []
+                    if local > 0:
+                        edge_deps.append(fwd_out[j][g])
+                        records.append(("local", j, g))
+                    if need > local:
+                        sources = [h for h in have if h != g]
+                        dur = (need - local) * nbytes / min(bw[h][g] for h in sources) + inter_lat
+                        t = add(dur, (nic + g,), [fwd_out[j][h] for h in sources], ("transfer", i, j))
+                        edge_deps.append(t)
+                        records.append(("xfer", j, g, dur, (nic + g,), sources))
+                    if option == "duplicate" and dgroups[g].count > 1:
+                        dur = fbatch * nbytes / bw[g][g] + intra_lat
+                        t = add(dur, (bus + g,), edge_deps, ("broadcast", i, j))
+                        edge_deps = [t]
+                        records.append(("bcast", j, g, dur, (bus + g,)))
+                    deps[g] += edge_deps
+            in_records.append(records)
+            tasks: list[int] = []
+            if segs is not None:
+                out: dict[int, int] = {}
+                first: dict[int, int] = {}
+                prev: list[int] = deps[entry[0]]
+                for k, seg in enumerate(segs):
+                    if k:
+                        before = segs[k - 1]
+                        seg_bytes = before.out_bytes * fbatch
+                        dur = seg_bytes / bw[before.dgroup][seg.dgroup] + inter_lat if seg_bytes else 0.0
+                        prev = [add(dur, (nic + seg.dgroup,), prev, ("transfer", i, i))]
+                    t = add(seg.fwd, (seg.dgroup,), prev, ("forward", i, seg.dgroup))
+                    tasks.append(t)
+                    first.setdefault(seg.dgroup, t)
+                    prev = [t]
+                out[segs[-1].dgroup] = tasks[-1]
+                exits.append({segs[-1].dgroup: fbatch})
+                fwd_in.append(first)
+                fwd_out.append(out)
+            else:
+                out = {}
+                for g, row in per.items():
+                    out[g] = t = add(self.group_time(i, g, max(row))[0], (g,), deps[g], ("forward", i, g))
+                    tasks.append(t)
+                exits.append({g: (fbatch if option == "duplicate" else sum(row)) for g, row in per.items()})
+                fwd_in.append(out)
+                fwd_out.append(out)
+            fwd_tasks.append(tasks)
+
+        # ---------------- backward (reverse order); grad_deps[j][g]: what group j's backward on g waits for
+        grad_deps: list[dict[int, list[int]]] = [{} for _ in groups]
+        bwd_done: list[dict[int, int]] = [
+            {} for _ in groups
+        ]  # last backward task of group i per device group
+        all_bwd: list[int] = []
+        for i in range(len(groups) - 1, -1, -1):
+            segs = mp_segments[i]
+            gd = grad_deps[i]
+            bwd_entry: dict[int, int] = {}  # backward task producing input gradients on device group g
+            if segs is not None:
+                prev = [fwd_out[i][segs[-1].dgroup], *gd.get(segs[-1].dgroup, [])]
+                for k in range(len(segs) - 1, -1, -1):
+                    seg = segs[k]
+                    t = add(seg.bwd, (seg.dgroup,), prev, ("backward", i, seg.dgroup))
+                    bwd_done[i][seg.dgroup] = t
+                    all_bwd.append(t)
+                    prev = [t]
+                    if k:
+                        before = segs[k - 1]
+                        seg_bytes = before.out_bytes * fbatch
+                        dur = seg_bytes / bw[seg.dgroup][before.dgroup] + inter_lat if seg_bytes else 0.0
+                        prev = [add(dur, (nic + before.dgroup,), prev, ("transfer", i, i))]
+                bwd_entry[segs[0].dgroup] = prev[0]
+            else:
+                for g, row in layouts[i].items():
+                    d = gd.get(g, [])
+                    d.append(fwd_out[i][g])
+                    t = add(self.group_time(i, g, max(row))[1], (g,), d, ("backward", i, g))
+                    bwd_done[i][g] = bwd_entry[g] = t
+                    all_bwd.append(t)
+            for rec in in_records[i]:
+                kind, j = rec[0], rec[1]
+                target = grad_deps[j]
+                if kind == "direct":
+                    for g, t in bwd_entry.items():
+                        target.setdefault(g, []).append(t)
+                elif kind == "local":
+                    target.setdefault(rec[2], []).append(bwd_entry[rec[2]])
+                elif kind == "xfer":
+                    _, _, g, dur, res, sources = rec
+                    t = add(dur, res, [bwd_entry[g]], ("transfer", j, i))
+                    for h in sources:
+                        target.setdefault(h, []).append(t)
+                else:  # bcast: the copies' gradients are reduced inside the group
+                    _, _, g, dur, res = rec
+                    target.setdefault(g, []).append(add(dur, res, [bwd_entry[g]], ("reduce", j, i)))
+
+        # ---------------- gradient synchronisation
+        barrier = None if plan.comm.overlap else add(0.0, (), all_bwd, ("barrier", -1, -1))
+        gradients = plan.gradients
+        params = self.graph.params
+        param_index = self.param_index
+        ops = self.graph.ops
+        owner = self.owner_op
+        sync_done: list[list[int]] = [[] for _ in range(ndg)]  # per device group: tasks apply waits for
+        sfb_bytes: list[float] = [0.0] * len(groups)
+        fusion = plan.comm.fusion_bytes if plan.comm.overlap else 0
+        bucket: list[Any] = []  # [members, bytes, groups]
+
+        def flush() -> None:
+            if not bucket:
+                return
+            members, nbytes, in_bucket = bucket
+            bmin, lat, res = self._ring(members)
+            n = sum(members.values())
+            dur = ring_allreduce_time(nbytes, n, bmin, lat) + FUSION_COPIES * nbytes / (
+                min(dtypes[g].memory_bandwidth * dtypes[g].memory_efficiency for g in members)
+            )
+            d = [bwd_done[i][g] for i in in_bucket for g in members]
+            t = add(dur, res, d, ("allreduce", in_bucket[0], -1))
+            for g in members:
+                sync_done[g].append(t)
+            bucket.clear()
+
+        for i in range(len(groups) - 1, -1, -1):
+            gp = plan.groups[i]
+            names = groups[i].param_names
+            if gp.option not in ("allreduce", "ps"):
+                for name in names:
+                    if name not in gradients:
+                        raise ValueError(f"plan has no gradient entry for parameter {name!r}")
+                continue
+            per = layouts[i]
+            members, n = self._members(per)
+            ar_bytes = ar_count = 0
+            ps_bytes: dict[int, list[int]] = {}
+            sfb: list[str] = []
+            for name in names:
+                entry = gradients.get(name)
+                if entry is None:
+                    raise ValueError(f"plan has no gradient entry for parameter {name!r}")
+                sync = entry.sync
+                if sync == "allreduce":
+                    ar_bytes += params[name]
+                    ar_count += 1
+                elif sync == "ps":
+                    servers = plan.ps_servers or gp.placement
+                    ns = len(servers)
+                    size = params[name]
+                    first = param_index[name]
+                    parts = -(-size // PS_PARTITION_BYTES)
+                    for q in range(min(parts, ns)):  # partitions go round-robin over the servers
+                        slot = ps_bytes.setdefault(self.dindex[servers[(first + q) % ns]], [0.0, 0])
+                        slot[0] += size * (parts // ns + (1 if q < parts % ns else 0)) / parts
+                        slot[1] += 1
+                else:
+                    sfb.append(name)
+            if n == 1 or not names:
+                continue
+            deps = [barrier] if barrier is not None else [bwd_done[i][g] for g in per]
+            if ar_bytes:
+                if fusion:
+                    if bucket and bucket[0] != members:
+                        flush()
+                    if not bucket:
+                        bucket.extend([members, 0, []])
+                    bucket[1] += ar_bytes
+                    bucket[2].append(i)
+                    if bucket[1] >= fusion:
+                        flush()
+                else:
+                    bmin, lat, res = self._ring(members)
+                    t = add(
+                        ring_allreduce_time(ar_bytes, n, bmin, lat, ar_count), res, deps, ("allreduce", i, -1)
+                    )
+                    for g in per:
+                        sync_done[g].append(t)
+            for s, (nbytes, count) in ps_bytes.items():
+                coef, res, remote = self._ps(members, s)
+                dur = 2 * nbytes * coef + 2 * count * (inter_lat if remote else intra_lat)
+                t = add(dur, res, deps, ("ps", i, s))
+                for g in per:
+                    sync_done[g].append(t)
+            if sfb:
+                bmin, lat, res = self._ring(members)
+                for name in sfb:
+                    op = ops[owner[name]]
+                    factor = (op.in_bytes + op.out_bytes) * fbatch
+                    sfb_bytes[i] += factor
+                    t = add(allgather_time(factor, n, bmin, lat), res, deps, ("sfb", i, -1))
+                    wgrad = op.fwd_flops * params[name] / max(op.param_bytes, 1)
+                    for g, row in per.items():
+                        extra = dtypes[g].op_time(wgrad * (fbatch - max(row)), factor)
+                        sync_done[g].append(add(extra, (g,), [t], ("sfb-compute", i, g)))
+        flush()
+
+        # ---------------- apply, memory
+        state = OPTIMIZER_STATE[plan.optimizer]
+        mem = [[0.0] * g.count for g in dgroups]
+        apply_bytes = [0.0] * ndg
+        apply_count = [0] * ndg
+        for i, gc in enumerate(groups):
+            segs = mp_segments[i]
+            if segs is not None:
+                for seg in segs:
+                    row = mem[seg.dgroup]
+                    for k in range(seg.devices):
+                        row[k] += seg.param_bytes * (2 + state) + seg.act_bytes * fbatch
+                    apply_bytes[seg.dgroup] += seg.param_bytes
+                    apply_count[seg.dgroup] += seg.nparams
+                continue
+            static = gc.param_bytes * (2 + state) + sfb_bytes[i]
+            for g, row in layouts[i].items():
+                mrow = mem[g]
+                for k, b in enumerate(row):
+                    if b > 0:
+                        mrow[k] += static + gc.act_bytes * b
+                apply_bytes[g] += gc.param_bytes
+                apply_count[g] += len(gc.param_names)
+        for g in range(ndg):
+            if apply_count[g]:
+                d = [barrier] if barrier is not None else [tasks[g] for tasks in bwd_done if g in tasks]
+                add(
+                    self.apply_time(apply_bytes[g], apply_count[g], dtypes[g], plan.optimizer),
+                    (g,),
+                    d + sync_done[g],
+                    ("apply", -1, g),
+                )
+
+        start, finish, busy = sched.run(self.nres)
+        total = max(finish, default=0.0)
+        peak: dict[str, int] = {}
+        oom: list[str] = []
+        busy_dev: dict[str, float] = {}
+        idle_dev: dict[str, float] = {}
+        for g, dg in enumerate(dgroups):
+            for k in range(dg.count):
+                name = f"{dg.name}:{k}"
+                peak[name] = int(mem[g][k])
+                if mem[g][k] > dg.memory_bytes:
+                    oom.append(name)
+                used = mem[g][k] > 0
+                busy_dev[name] = busy[g] if used else 0.0
+                idle_dev[name] = total - busy_dev[name]
+        group_finish = [max(finish[t] for t in bwd_done[i].values()) for i in range(len(groups))]
+        result = SimResult(total, not oom, tuple(oom), peak, busy_dev, idle_dev, group_finish)
+        if trace:
+            self._record(result, sched, start, finish, fwd_tasks, mp_segments)
+        return result
+
+    def _record(
+        self,
+        result: SimResult,
+        sched: _Schedule,
+        start: list[float],
+        finish: list[float],
+        fwd_tasks: list[list[int]],
+        mp_segments: list[list[_MPSegment] | None],
+    ) -> None:
+        n = len(self.dgroups)
+        kinds = ("compute", "nic", "bus")
+        for t, (category, i, extra) in enumerate(sched.names):
+            if not sched.res[t]:
+                continue
+            r = sched.res[t][0]
+            resource = f"{self.dgroups[r % n].name}/{kinds[r // n]}"
+            label = f"{category} g{i}" if i >= 0 else category
+            if category == "transfer" and extra >= 0 and extra != i:
+                label = f"transfer g{min(i, extra)}-g{max(i, extra)}"
+            result.tasks.append(TaskRecord(label, category, resource, start[t], finish[t]))
+        ops = self.graph.ops
+        for i, tasks in enumerate(fwd_tasks):
+            if mp_segments[i] is not None or not tasks:
+                continue
+            t = tasks[0]
+            g = sched.names[t][2]
+            members = self.groups[i].ops
+            times = [self.ops_time((op,), self.dtypes[g], 1.0)[0] for op in members]
+            scale = (finish[t] - start[t]) / (sum(times) or 1.0)
+            clock = start[t]
+            for op, dt in zip(members, times, strict=True):
+                result.op_times[ops[op].name] = (clock, clock + dt * scale)
+                clock += dt * scale
