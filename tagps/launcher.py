@@ -416,7 +416,7 @@ def role_job(command: Sequence[str], env: Mapping[str, str] = os.environ) -> lis
         ProcessSpec(
             f"worker {layout.worker_id}.{r}",
             tuple(command),
-            _child_env(env, **_layout(env), BYTEPS_LOCAL_RANK=r, BYTEPS_LOCAL_SIZE=cfg.local_size),
+            _child_env(env, **{**_layout(env), "BYTEPS_LOCAL_RANK": r, "BYTEPS_LOCAL_SIZE": cfg.local_size}),
         )
         for r in range(cfg.local_size)
     ]

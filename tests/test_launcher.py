@@ -442,6 +442,15 @@ def test_bad_variables_exit_nonzero_naming_them(env: dict[str, str], variable: s
     assert variable in res.stderr and res.stdout == ""
 
 
+def test_role_job_worker_honours_byteps_local_size() -> None:
+    env = {"DMLC_ROLE": "worker", "BYTEPS_LOCAL_SIZE": "2", "BYTEPS_LOCAL_RANK": "1", "DMLC_WORKER_ID": "0"}
+    specs = role_job(["train"], env)
+    assert [(s.label, s.env["BYTEPS_LOCAL_RANK"], s.env["BYTEPS_LOCAL_SIZE"]) for s in specs] == [
+        ("worker 0.0", "0", "2"),
+        ("worker 0.1", "1", "2"),
+    ]
+
+
 def test_role_job_for_servers_runs_the_service_module() -> None:
     env = {
         "DMLC_ROLE": "server",
