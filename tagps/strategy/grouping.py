@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tagps.strategy.devices import device_type
 from tagps.strategy.graph import Graph
 
-__all__ = ["DEFAULT_GROUPS", "Grouping", "group_ops", "split_ops"]
+__all__ = ["DEFAULT_GROUPS", "Grouping", "group_ops", "grouping_from_names", "split_ops"]
 
 DEFAULT_GROUPS = 60
 REFERENCE_DEVICE = "V100-32GB"
@@ -140,3 +140,34 @@ def split_ops(graph: Graph, ops: Sequence[int], k: int, seed: int = 0) -> list[t
     for op, p in zip(members, part, strict=True):
         parts[p].append(op)
     return [tuple(p) for p in parts]
+
+
+def grouping_from_names(graph: Graph, groups: Sequence[Sequence[str]]) -> Grouping:
+    """The grouping a plan lists (op names per group); checks it is a partition in topological order.
+
+    Raises:
+        ValueError: an op is unknown, missing, listed twice, or a group feeds an earlier group.
+    """
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    op_group = [-1] * len(graph.ops)
+    for g, names in enumerate(groups):
+        for name in names:
+            i = index.get(name)
+            if i is None:
+                raise ValueError(f"group {g}: op {name!r} is not in graph {graph.name!r}")
+            if op_group[i] >= 0:
+                raise ValueError(f"op {name!r} is in groups {op_group[i]} and {g}")
+            op_group[i] = g
+    missing = [graph.ops[i].name for i, g in enumerate(op_group) if g < 0]
+    if missing:
+        raise ValueError(f"{len(missing)} ops of graph {graph.name!r} are in no group, e.g. {missing[:3]}")
+    for src, dst, _ in graph.edges:
+        if op_group[src] > op_group[dst]:
+            raise ValueError(
+                f"group {op_group[src]} feeds the earlier group {op_group[dst]} "
+                f"(op {graph.ops[src].name!r} -> {graph.ops[dst].name!r})"
+            )
+    members: list[list[int]] = [[] for _ in groups]
+    for i, g in enumerate(op_group):
+        members[g].append(i)
+    return Grouping(tuple(tuple(m) for m in members), tuple(op_group))

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from tagps.strategy.devices import DeviceType
-from tagps.strategy.graph import Graph
-from tagps.strategy.grouping import Grouping, split_ops
+from tagps.strategy.graph import Graph, model_graph
+from tagps.strategy.grouping import DEFAULT_GROUPS, Grouping, group_ops, grouping_from_names, split_ops
 from tagps.strategy.plan import Plan
 from tagps.strategy.topology import Topology
 
@@ -44,6 +44,7 @@ __all__ = [
     "TaskRecord",
     "allgather_time",
     "ring_allreduce_time",
+    "summarize",
 ]
 
 # Optimizer state per parameter byte, and bytes touched per parameter byte by the apply step.
@@ -306,6 +307,20 @@ class Simulator:
         self._ps_cache: dict[
             tuple[tuple[tuple[int, int], ...], int], tuple[float, tuple[int, ...], bool]
         ] = {}
+
+    @classmethod
+    def for_model(
+        cls, model: str, topology: Topology, groups: int = DEFAULT_GROUPS, seed: int = 0
+    ) -> Simulator:
+        """Simulator for reference model ``model`` grouped into ``groups`` op groups with METIS."""
+        graph = model_graph(model)
+        return cls(graph, group_ops(graph, groups, seed), topology, seed=seed)
+
+    @classmethod
+    def for_plan(cls, plan: Plan, graph: Graph | None = None) -> Simulator:
+        """Simulator for a plan file: its topology and its op groups over ``graph`` (default: its model's)."""
+        graph = graph if graph is not None else model_graph(plan.model)
+        return cls(graph, grouping_from_names(graph, [g.ops for g in plan.groups]), plan.topology)
 
     # ------------------------------------------------------------------ cost pieces
     def ops_time(self, ops: Sequence[int], dtype: DeviceType, batch: float) -> tuple[float, float]:
@@ -787,3 +802,20 @@ class Simulator:
             for op, dt in zip(members, times, strict=True):
                 result.op_times[ops[op].name] = (clock, clock + dt * scale)
                 clock += dt * scale
+
+
+def summarize(result: SimResult, batch: int) -> str:
+    """Human-readable report: iteration time, throughput, per-device utilisation and peak memory."""
+    lines = [
+        f"iteration time   {result.iteration_time * 1e3:10.2f} ms",
+        f"throughput       {batch / result.iteration_time if result.iteration_time else 0.0:10.1f} samples/s",
+        "feasible         " + ("yes" if result.feasible else f"NO (OOM: {', '.join(result.oom_devices)})"),
+        f"{'device':<14} {'busy ms':>9} {'idle ms':>9} {'util':>6} {'peak GiB':>9}",
+    ]
+    util = result.utilization()
+    for dev in result.peak_memory:
+        lines.append(
+            f"{dev:<14} {result.busy[dev] * 1e3:>9.2f} {result.idle[dev] * 1e3:>9.2f} "
+            f"{util[dev]:>6.1%} {result.peak_memory[dev] / 2**30:>9.2f}"
+        )
+    return "\n".join(lines)
