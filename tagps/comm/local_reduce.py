@@ -4,9 +4,11 @@ The participating processes of one machine (its local ranks) each copy a tensor 
 shared-memory arena (a file in ``/dev/shm``). When every slot is filled, each participant sums one shard
 of the tensor (reduce-scatter style) with :func:`tagps.kernels.sum_into`, following the machine's
 topology: inside each group of local ranks (a PCIe switch or a NUMA node, from ``BYTEPS_PCIE_SWITCH_SIZE``
-or ``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into slot 0.
-The machine's root (local rank 0) then hands slot 0 to ``cross`` (the push and pull to the summation
-servers) and, when that completed, every participant copies slot 0 back into its tensor.
+or ``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into the arena's
+result row. The machine's root (local rank 0) then hands the result row to ``cross`` (the push and pull to
+the summation servers) and, when that completed, every participant copies it back into its tensor. (The
+result has its own row because the root refills its input slot for the next round while the others may
+still be copying the previous result out.)
 
 Coordination is a small message protocol over ZeroMQ on loopback, driven by one service thread per
 process; the root counts ``ready`` and ``reduced`` messages per tensor name and answers ``reduce`` and
@@ -77,7 +79,8 @@ class _Arena:
     dtype: torch.dtype
     count: int
     mm: mmap.mmap
-    slots: torch.Tensor  # (participants, count)
+    slots: torch.Tensor  # (participants, count): the inputs
+    result: torch.Tensor  # (count,): the sum
 
 
 @dataclass
@@ -106,8 +109,8 @@ class LocalReducer:
         groups: topology groups of those local ranks (each reduces into its first rank first).
         local_rank: this process's local rank.
         machine: this process's machine id (``DMLC_WORKER_ID``).
-        cross: on the root, called with ``(name, slot0, priority)`` after the local sum; returns a work
-            whose completion means ``slot0`` holds the sum over every machine. ``None``: one machine.
+        cross: on the root, called with ``(name, result, priority)`` after the local sum; returns a work
+            whose completion means ``result`` holds the sum over every machine. ``None``: one machine.
         timeout: seconds a reduction may take before ``wait()`` raises.
         shm_dir: where the arenas live (``/dev/shm``).
     """
@@ -246,7 +249,8 @@ class LocalReducer:
             return arena
         path = self._prefix + uuid.uuid5(uuid.NAMESPACE_URL, name).hex
         itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = max(1, len(self._participants) * count * itemsize)
+        rows = len(self._participants) + 1
+        nbytes = max(1, rows * count * itemsize)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < nbytes:
@@ -254,8 +258,8 @@ class LocalReducer:
             mm = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-        slots = torch.frombuffer(mm, dtype=dtype, count=len(self._participants) * count)
-        arena = _Arena(path, dtype, count, mm, slots.view(len(self._participants), count))
+        rows_view = torch.frombuffer(mm, dtype=dtype, count=rows * count).view(rows, count)
+        arena = _Arena(path, dtype, count, mm, rows_view[:-1], rows_view[-1])
         self._arenas[name] = arena
         return arena
 
@@ -322,7 +326,7 @@ class LocalReducer:
         if self._cross is None:
             self._finish(name)
         else:
-            rnd.cross = self._cross(name, self._arenas[name].slots[0], rnd.priority)
+            rnd.cross = self._cross(name, self._arenas[name].result, rnd.priority)
 
     def _check_cross(self) -> None:
         for name, rnd in list(self._rounds.items()):
@@ -345,7 +349,7 @@ class LocalReducer:
             else:
                 self._sock.send_multipart([b"reduced", name.encode()])
         elif kind == b"done":
-            tensor.reshape(-1).copy_(arena.slots[0])
+            tensor.reshape(-1).copy_(arena.result)
             del self._waiting[name]
             future.set()
         elif kind == b"fail":
@@ -361,4 +365,6 @@ class LocalReducer:
         part = arena.slots[:, start:stop]
         for group in self._groups:
             kernels.sum_into(part[group[0]], *(part[m] for m in group[1:]))
-        kernels.sum_into(part[0], *(part[g[0]] for g in self._groups[1:]))
+        out = arena.result[start:stop]
+        out.copy_(part[0])
+        kernels.sum_into(out, *(part[g[0]] for g in self._groups[1:]))

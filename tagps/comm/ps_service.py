@@ -10,8 +10,10 @@ here (these machines have no GPU); the CPU path is what the tests exercise.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -21,6 +23,8 @@ from tagps.comm.local_reduce import LocalReducer
 from tagps.config import CommConfig
 
 __all__ = ["PSService"]
+
+_WIRE_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
 
 class _ClientWork:
@@ -107,17 +111,35 @@ class PSService:
                     mine = (pg, ranks[0])
         return mine
 
-    def _cross(self, name: str, summed: torch.Tensor, priority: int) -> Waitable:
-        buf = summed.numpy()
-        if name not in self._declared:
-            self._client.declare(name, buf.nbytes, buf.dtype)
+    def declare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Register tensor names and shapes with the summation servers (collective over the workers).
+
+        Every worker process must declare the same names in the same order; names declared before are
+        skipped. :meth:`push_pull_async` declares a new name itself, so this only moves the (blocking)
+        registration out of the training step.
+        """
+        new = [(n, t) for n, t in tensors if n not in self._declared]
+        if not new:
+            return
+        for name, tensor in new:
+            if tensor.dtype not in _WIRE_DTYPES:
+                raise TypeError(
+                    f"{name!r}: the ps method sums float32/float64/float16 tensors, not {tensor.dtype}"
+                )
             self._declared.add(name)
-        return _ClientWork(self._client, self._client.push_pull(name, buf, average=False, priority=priority))
+        if self._client is not None:
+            for name, tensor in new:
+                self._client.declare(name, tensor.numel() * tensor.element_size(), _WIRE_DTYPES[tensor.dtype])
+            self._client.flush_declarations()
+
+    def _cross(self, name: str, summed: torch.Tensor, priority: int) -> Waitable:
+        # The PS client sends lower priority values first; ours follow BytePS (higher first).
+        handle = self._client.push_pull(name, summed.numpy(), average=False, priority=-priority)
+        return _ClientWork(self._client, handle)
 
     def push_pull_async(self, name: str, tensor: torch.Tensor, priority: int = 0) -> Waitable:
         """Start summing ``tensor`` in place over every worker process; returns the work to wait for."""
-        if tensor.dtype == torch.bfloat16 and self._client is not None:
-            raise TypeError(f"{name!r}: the summation servers take float32/float64/float16, not bfloat16")
+        self.declare([(name, tensor)])
         if tensor.is_cuda:
             if not self._cuda:
                 raise ValueError(f"{name!r} is a CUDA tensor but the job runs the CPU (gloo) path")

@@ -8,6 +8,7 @@ decompresses, scales and writes the result back.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class State:
     ps: object | None = None  # tagps.comm.ps_service.PSService, created on first use of the ps method
     handles: set[Handle] = field(default_factory=set)
     names: itertools.count = field(default_factory=itertools.count)
+    optimizers: itertools.count = field(default_factory=itertools.count)
 
     def ps_service(self) -> object:
         """Return the PS service (intra-machine reduction plus the summation servers), starting it once."""
@@ -52,6 +54,7 @@ def init(env: dict[str, str] | None = None) -> State:
         cfg = comm_config(os.environ if env is None else env)
         collectives.init_process_group(cfg)
         _state = State(cfg)
+        atexit.register(shutdown)
     return _state
 
 

@@ -81,8 +81,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if m == "sfb" and p.dim() == 1:
                 self._method[p] = "allreduce"
         self._sfb = SufficientFactors(sfb_weights) if sfb_weights else None
-        if any(m == "ps" for m in self._method.values()):
-            st.ps_service()  # start it now so a missing server fails before training
+        # PS keys are per optimizer instance: another model's parameter may reuse a name with another shape.
+        instance = next(st.optimizers)
+        self._keys = {p: f"opt{instance}.{self._names[p]}" for p in self._params}
+        ps_params = [(self._keys[p], p) for p in self._params if self._method[p] == "ps"]
+        if ps_params:
+            # Start the service and register the tensors now, so that a missing server or an unsupported
+            # dtype fails before training and no step pays for the registration.
+            st.ps_service().declare(  # type: ignore[attr-defined]
+                [
+                    (n, compression.compress(torch.empty(p.numel(), dtype=p.dtype, device=p.device))[0])
+                    for n, p in ps_params
+                ]
+            )
         index = {p: i for i, p in enumerate(self._params)}
         self._priority = {p: -index[p] for p in self._params}
         self._order = [p for p in reversed(self._params) if self._method[p] in ("allreduce", "sfb")]
@@ -207,7 +218,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return ops.start_sum(
             p.grad,
             method=method,
-            name=self._names[p],
+            name=self._keys[p],
             priority=self._priority[p],
             compression=self._compression,
             prescale=self._weight,
