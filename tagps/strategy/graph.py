@@ -94,6 +94,28 @@ class Graph:
         return cls(data["name"], ops, [tuple(e) for e in data["edges"]], dict(data["params"]))
 
 
+@lru_cache(maxsize=1)
+def _path_tracer_class() -> type:
+    from torch import fx
+
+    class PathTracer(fx.Tracer):
+        """An fx tracer that remembers in which submodule tracing failed."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.failed_at: str | None = None
+
+        def call_module(self, m: Any, forward: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                return super().call_module(m, forward, args, kwargs)
+            except Exception:
+                if self.failed_at is None:
+                    self.failed_at = self.path_of_module(m)
+                raise
+
+    return PathTracer
+
+
 def _nbytes(value: Any) -> int:
     import torch
     from torch.utils._pytree import tree_leaves
@@ -123,10 +145,14 @@ def extract_graph(model: Any, inputs: Sequence[Any], name: str = "model") -> Gra
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"extract_graph needs an nn.Module, got {type(model).__name__}")
+    tracer = _path_tracer_class()()
     try:
-        gm = fx.symbolic_trace(model)
+        gm = fx.GraphModule(model, tracer.trace(model), type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-        raise RuntimeError(f"torch.fx cannot trace {type(model).__qualname__} ({name}): {exc}") from exc
+        where = tracer.failed_at or ""
+        sub = model.get_submodule(where) if where else model
+        place = f"submodule {where!r} ({type(sub).__name__})" if where else f"module {type(model).__name__}"
+        raise RuntimeError(f"torch.fx cannot trace {name}: {place} failed: {exc}") from exc
 
     param_names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     params = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad}
