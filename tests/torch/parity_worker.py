@@ -72,10 +72,11 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def train(case: dict[str, Any], distributed: bool) -> nn.Module:
+def train(case: dict[str, Any], distributed: bool, progress: dict[str, int]) -> nn.Module:
     shares: list[int] = case.get("shares") or [4] * bps.size()
     bpps: int = case.get("bpps", 1)
-    model = make_model(case["model"], seed=7 + (bps.rank() if case.get("skew_init") else 0))
+    skewed = distributed and case.get("skew_init", False)
+    model = make_model(case["model"], seed=7 + (bps.rank() if skewed else 0))
     opt = make_optimizer(case["optimizer"], model)
     if distributed:
         if case.get("skew_init"):
@@ -100,15 +101,17 @@ def train(case: dict[str, Any], distributed: bool) -> nn.Module:
             loss = (loss_fn(model(x), y) + model.penalty()) / bpps
             loss.backward()
         opt.step()
+        progress["steps_done"] = step + 1
     return model
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    progress = {"steps_done": 0}
     try:
-        dist_model = train(case, distributed=True)
+        dist_model = train(case, distributed=True, progress=progress)
     except Exception as exc:  # reported to the test, which decides whether it was expected
-        return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    ref_model = train(case, distributed=False)
+        return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(), **progress}
+    ref_model = train(case, distributed=False, progress={})
     ref = dict(ref_model.named_parameters())
     diff = max(float((p.detach() - ref[n].detach()).abs().max()) for n, p in dist_model.named_parameters())
     return {"max_abs_diff": diff}

@@ -1,0 +1,48 @@
+"""Run the parity worker as a real job under ``bpslaunch --local`` and collect every rank's results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("parity_worker.py")
+
+
+def run_job(
+    tmp: Path,
+    cases: list[dict[str, Any]],
+    *,
+    workers: int,
+    servers: int = 0,
+    local_size: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float = 150.0,
+) -> list[dict[str, Any]]:
+    """Run ``cases`` on ``workers`` machines of ``local_size`` processes; return each rank's results.
+
+    Raises:
+        AssertionError: the job failed or timed out (with its output).
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    cmd = [
+        sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", str(servers),
+        "--local-size", str(local_size), "--grace", "2", "--",
+        sys.executable, str(WORKER), "--cases", str(tmp / "cases.json"), "--out", str(tmp),
+    ]  # fmt: skip
+    child_env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60", **(env or {})}
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"job timed out after {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None
+    output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{output}"
+    size = workers * local_size
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(size)]
