@@ -288,3 +288,77 @@ def test_simd_and_threads_settings() -> None:
     assert K.num_threads() >= 1
     K.set_simd_mode("auto")
     assert K.simd_mode() == ("avx2" if _core.cpu_has_avx2() else "scalar")
+
+
+# -------------------------------------------------------------------------------------------------- cast
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_cast_float32_float16_matches_numpy(simd: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    # Normal, subnormal (|x| < 6.1e-5), overflowing (> 65504) and exact-tie values.
+    src = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 1e3, 1e5], size=n)).astype(np.float32)
+    half = np.empty(n, np.float16)
+    K.cast(half, src)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(half.view(np.uint16), src.astype(np.float16).view(np.uint16))
+    back = np.empty(n, np.float32)
+    K.cast(back, half)
+    np.testing.assert_array_equal(back, half.astype(np.float32))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_cast_float32_bfloat16_matches_torch(simd: str, n: int) -> None:
+    src = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e3
+    dst = torch.empty(n, dtype=torch.bfloat16)
+    K.cast(dst, src)
+    torch.testing.assert_close(dst, src.bfloat16(), rtol=0, atol=0)
+    back = torch.empty(n)
+    K.cast(back, dst)
+    torch.testing.assert_close(back, dst.float(), rtol=0, atol=0)
+
+
+def test_cast_rounds_ties_to_even(simd: str) -> None:
+    # 1 + 2^-11 lies halfway between two float16 values; 1 + 3*2^-11 too: ties go to the even mantissa.
+    src = np.array([1 + 2**-11, 1 + 3 * 2**-11, 65519.0, 65520.0, 2**-25, 3 * 2**-25], np.float32)
+    half = np.empty(6, np.float16)
+    K.cast(half, src)
+    np.testing.assert_array_equal(half, np.array([1.0, 1 + 2**-9, 65504.0, np.inf, 0.0, 2**-23], np.float16))
+    # bfloat16 ties: 1 + 2^-8 -> 1.0, 1 + 3*2^-8 -> 1 + 2^-6; NaN -> 0x7FC0.
+    bsrc = np.array([1 + 2**-8, 1 + 3 * 2**-8, np.nan], np.float32)
+    b = np.empty(3, np.uint16)
+    K.cast(b, bsrc)
+    np.testing.assert_array_equal(b, np.array([0x3F80, 0x3F82, 0x7FC0], np.uint16))
+
+
+@pytest.mark.skipif(not _core.cpu_has_avx2(), reason="no AVX2")
+@pytest.mark.parametrize("pair", ["f32->f16", "f32->bf16", "f16->f32", "bf16->f32"])
+def test_cast_scalar_and_avx2_bitwise_equal_on_all_bit_patterns(pair: str) -> None:
+    """Every 16-bit pattern and 2^20 random 32-bit ones (NaN payloads, subnormals, inf): identical bits."""
+    rng = np.random.default_rng(11)
+    if pair.startswith("f32"):
+        src = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
+        dst = np.empty(src.size, np.float16 if pair == "f32->f16" else np.uint16)
+    else:
+        bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+        src = bits.view(np.float16) if pair == "f16->f32" else bits
+        dst = np.empty(src.size, np.float32)
+    scalar, avx2 = _both_paths(K.cast, dst, src)
+    np.testing.assert_array_equal(scalar[0].view(np.uint8), avx2[0].view(np.uint8))
+
+
+def test_cast_errors() -> None:
+    f32 = np.zeros(4, np.float32)
+    with pytest.raises(TypeError, match="cast from float64 to float32 is not supported"):
+        K.cast(f32, np.zeros(4, np.float64))
+    with pytest.raises(TypeError, match="cast from float32 to float32 is not supported"):
+        K.cast(f32, np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="src has 3 elements but dst has 4"):
+        K.cast(f32, np.zeros(3, np.float16))
+    buf = np.zeros(16, np.float32)
+    with pytest.raises(ValueError, match="dst and src share memory"):
+        K.cast(buf[:8], buf.view(np.uint16)[:8])
+    ro = np.zeros(4, np.float16)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="dst is read-only"):
+        K.cast(ro, f32)
