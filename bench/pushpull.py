@@ -1,0 +1,325 @@
+"""Benchmark push_pull through the summation servers against raw pyzmq and gloo all_reduce.
+
+Usage: ``python bench/pushpull.py [--quick] [--out FILE]`` (default ``bench/results/pushpull.json``).
+
+Two set-ups, each compared within the same run:
+
+* **Loopback** (engine efficiency): 2 worker machines and 1 server on 127.0.0.1 (``bpslaunch --local 2
+  --servers 1``), float32 tensors of 4 and 64 MiB, the default partition size. The raw pyzmq loopback
+  throughput ``T`` is that of one PUSH to one PULL socket, 4 MiB messages, between two processes (median of
+  3 runs before and 3 after the PS job). The server must receive every worker's tensor and send the sum
+  back to each, ``2 W M`` bytes through its sockets, so ``t_min = 2 W M / T`` bounds the push_pull time
+  from below, and ``pushpull_loopback_efficiency = min over sizes of t_min / t``.
+  ``pushpull_vs_gloo_64MiB_2w`` is the gloo all_reduce time of the same 64 MiB between the same 2 workers
+  divided by the push_pull time (no target: on one loopback PS moves more bytes than a ring).
+* **Emulated links** (where the BytePS argument holds; needs root): every one of 4 workers, 4 servers and
+  the scheduler in its own network namespace, each link limited to 1 Gbit/s with ``tc`` (tagps.cluster).
+  64 MiB: ``pushpull_vs_allreduce_4w_4s_1gbit`` = gloo all_reduce time among the 4 workers ÷ push_pull time
+  (theory 1.5), ``pushpull_vs_optimal_4w_4s_1gbit`` = the BytePS optimum ``M / B`` ÷ push_pull time.
+  ``B`` is the tc rate, which counts packet headers too, so goodput tops out near 0.95 ``B`` at 1500 MTU.
+
+``server_sum_GBps``: gradient bytes one process reduces per second along the server's summation path
+(network excluded): 4 pushes of 64 MiB, the first copied into the key's buffer and the other 3 added with
+``tagps.kernels.sum_into``, buffers allocated once and reused.
+
+Each timed iteration starts after a barrier on every worker; an iteration's time is the slowest worker's,
+and a figure uses the median over iterations. Every result is checked against the exact sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tagps import kernels
+from tagps.cluster import ClusterError, LinkLimit, Network, check_support, up
+from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "pushpull_worker.py"
+MiB = 1 << 20
+SIZES = (4 * MiB, 64 * MiB)
+EMULATED_SIZE = 64 * MiB
+LINK_MBIT = 1000.0
+TARGETS = {
+    "pushpull_loopback_efficiency": 0.7,
+    "pushpull_vs_gloo_64MiB_2w": None,
+    "pushpull_vs_allreduce_4w_4s_1gbit": 1.3,
+    "pushpull_vs_optimal_4w_4s_1gbit": 0.85,
+    "server_sum_GBps": None,
+}
+# Emulated job: 128 chunks of 512 KiB spread evenly over the 4 servers by the `balanced` key hash. Small
+# chunks let a chunk's pull overlap the pushes of later ones (with 4 MB chunks the pulls start late).
+EMULATED_PS_ENV = {"BYTEPS_PARTITION_BYTES": str(512 * 1024), "BYTEPS_KEY_HASH_FN": "balanced"}
+
+
+class Bench:
+    """Runs the measurements and records the command of each job."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.commands: list[str] = []
+        self.measurements: dict[str, Any] = {}
+        self.env = dict(os.environ)
+
+    def record(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        prefix = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        self.commands.append((prefix + " " if prefix else "") + shlex.join(argv))
+
+    # -- raw pyzmq ---------------------------------------------------------------------------------
+
+    def zmq_loopback(self, runs: int = 3) -> list[float]:
+        """Bytes/s of ``runs`` PUSH→PULL streams of 4 MiB messages between two processes on 127.0.0.1."""
+        total, message = (256 if self.quick else 1024) * MiB, 4 * MiB
+        rates = []
+        for _ in range(runs):
+            (port,) = free_ports(1)
+            sink_argv = [sys.executable, str(WORKER), "zmq-sink", str(port), str(total), str(message)]
+            source_argv = [sys.executable, str(WORKER), "zmq-source", str(port), str(total), str(message)]
+            sink = subprocess.Popen(sink_argv, stdout=subprocess.PIPE, text=True, env=self.env)
+            source = subprocess.run(source_argv, env=self.env, timeout=120, check=False)
+            out, _ = sink.communicate(timeout=120)
+            if source.returncode or sink.returncode:
+                raise RuntimeError(
+                    f"pyzmq loopback run failed (source {source.returncode}, sink {sink.returncode})"
+                )
+            rates.append(json.loads(out)["bytes_per_s"])
+        self.record(sink_argv)
+        self.record(source_argv)
+        return rates
+
+    # -- jobs --------------------------------------------------------------------------------------
+
+    def job(self, specs: list[ProcessSpec], out: str, workers: int) -> dict[int, float]:
+        """Run one job; return {size: median over iterations of the slowest worker's seconds}."""
+        log = io.BytesIO()
+        status = run_processes(specs, out=log, grace=5)
+        if status != 0:
+            sys.stderr.write(log.getvalue().decode(errors="replace"))
+            raise RuntimeError(f"benchmark job failed with status {status} (its output is above)")
+        per_worker = [json.loads(Path(f"{out}.{w}.json").read_text()) for w in range(workers)]
+        return {
+            int(size): statistics.median(
+                max(step) for step in zip(*(r[size] for r in per_worker), strict=True)
+            )
+            for size in per_worker[0]
+        }
+
+    def worker_argv(self, mode: str, out: str, sizes: Sequence[int], iters: int) -> list[str]:
+        return [sys.executable, str(WORKER), mode, out, ",".join(map(str, sizes)), str(iters)]
+
+    def loopback(self, tmp: str) -> dict[str, float]:
+        iters = 3 if self.quick else 10
+        # pyzmq is measured right before and after the PS job, so both see the same machine load.
+        rates = self.zmq_loopback()
+        times = {}
+        for mode, servers in (("ps", 1), ("gloo", 0)):
+            argv = self.worker_argv(mode, f"{tmp}/loop-{mode}", SIZES, iters)
+            env = {**self.env, "GLOO_SOCKET_IFNAME": "lo"}
+            self.record(["bpslaunch", "--local", "2", "--servers", str(servers), "--", *argv])
+            times[mode] = self.job(local_job(argv, 2, servers, 1, env), f"{tmp}/loop-{mode}", 2)
+            if mode == "ps":
+                rates += self.zmq_loopback()
+        rate = statistics.median(rates)
+        bounds = {size: 2 * 2 * size / rate for size in SIZES}
+        self.measurements["loopback"] = {
+            "zmq_loopback_GBps": rate / 1e9,
+            "zmq_loopback_runs_GBps": [r / 1e9 for r in rates],
+            "pushpull_s": {str(s): times["ps"][s] for s in SIZES},
+            "gloo_allreduce_s": {str(s): times["gloo"][s] for s in SIZES},
+            "pushpull_bound_s": {str(s): bounds[s] for s in SIZES},
+            "efficiency": {str(s): bounds[s] / times["ps"][s] for s in SIZES},
+        }
+        return {
+            "pushpull_loopback_efficiency": min(bounds[s] / times["ps"][s] for s in SIZES),
+            "pushpull_vs_gloo_64MiB_2w": times["gloo"][64 * MiB] / times["ps"][64 * MiB],
+        }
+
+    def emulated(self, tmp: str) -> dict[str, float]:
+        iters = 2 if self.quick else 5
+        names = ["sched"] + [f"s{i}" for i in range(4)] + [f"w{i}" for i in range(4)]
+        with up(names, LinkLimit(rate_mbit=LINK_MBIT)) as net:
+            self.commands.append(
+                f"tagps.cluster.up({names}, LinkLimit(rate_mbit={LINK_MBIT}))  # tbf, 1500 MTU"
+            )
+            ps_argv = self.worker_argv("ps", f"{tmp}/emu-ps", [EMULATED_SIZE], iters)
+            t_ps = self.job(self._ps_specs(net, ps_argv), f"{tmp}/emu-ps", 4)[EMULATED_SIZE]
+            gloo_argv = self.worker_argv("gloo", f"{tmp}/emu-gloo", [EMULATED_SIZE], iters)
+            t_gloo = self.job(self._gloo_specs(net, gloo_argv), f"{tmp}/emu-gloo", 4)[EMULATED_SIZE]
+        optimum = EMULATED_SIZE / (LINK_MBIT * 1e6 / 8)
+        self.measurements["emulated"] = {
+            "pushpull_s": t_ps,
+            "gloo_allreduce_s": t_gloo,
+            "bytesps_optimum_s": optimum,
+            "ring_optimum_s": 1.5 * optimum,
+        }
+        return {
+            "pushpull_vs_allreduce_4w_4s_1gbit": t_gloo / t_ps,
+            "pushpull_vs_optimal_4w_4s_1gbit": optimum / t_ps,
+        }
+
+    def _in_netns(self, net: Network, node: str, spec: ProcessSpec, label: str, service: bool) -> ProcessSpec:
+        self.record(
+            net.exec_argv(node, spec.argv),
+            {k: spec.env[k] for k in sorted(spec.env) if k.startswith(("DMLC_", "BYTEPS_", "TAGPS_DIST"))},
+        )
+        return dataclasses.replace(
+            spec, label=label, argv=tuple(net.exec_argv(node, spec.argv)), service=service
+        )
+
+    def _ps_specs(self, net: Network, argv: list[str]) -> list[ProcessSpec]:
+        common = {
+            **self.env,
+            **EMULATED_PS_ENV,
+            "DMLC_NUM_WORKER": "4",
+            "DMLC_NUM_SERVER": "4",
+            "DMLC_PS_ROOT_URI": net.address("sched"),
+            "DMLC_PS_ROOT_PORT": "9000",
+            "BYTEPS_LOCAL_SIZE": "1",
+        }
+        specs = []
+        for node, role, extra in (
+            [("sched", "scheduler", {})]
+            + [(f"s{i}", "server", {}) for i in range(4)]
+            + [(f"w{i}", "worker", {"DMLC_WORKER_ID": str(i)}) for i in range(4)]
+        ):
+            env = {**common, **extra, "DMLC_ROLE": role, "DMLC_NODE_HOST": net.address(node)}
+            (spec,) = role_job(argv, env)
+            label = "scheduler" if role == "scheduler" else f"{role} {node[1:]}"
+            specs.append(self._in_netns(net, node, spec, label, service=role != "worker"))
+        return specs
+
+    def _gloo_specs(self, net: Network, argv: list[str]) -> list[ProcessSpec]:
+        common = {
+            **self.env,
+            "DMLC_NUM_WORKER": "4",
+            "DMLC_NUM_SERVER": "0",
+            "DMLC_PS_ROOT_URI": net.address("w0"),
+            "TAGPS_DIST_PORT": "29500",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "BYTEPS_LOCAL_SIZE": "1",
+        }
+        specs = []
+        for i in range(4):
+            env = {
+                **common,
+                "DMLC_ROLE": "worker",
+                "DMLC_WORKER_ID": str(i),
+                "DMLC_NODE_HOST": net.address(f"w{i}"),
+            }
+            (spec,) = role_job(argv, env)
+            specs.append(self._in_netns(net, f"w{i}", spec, f"worker {i}", service=False))
+        return specs
+
+    # -- summation ----------------------------------------------------------------------------------
+
+    def server_sum(self, workers: int = 4) -> float:
+        """Gradient bytes per second one process reduces the way a server does a sync round: copy the
+        first push into the key's buffer, then ``sum_into`` the other ``workers - 1`` (64 MiB each)."""
+        n = 64 * MiB // 4
+        pushes = [np.full(n, w + 1, dtype=np.float32) for w in range(workers)]
+        dst = np.zeros(n, dtype=np.float32)
+        times = []
+        for _ in range(5 if self.quick else 20):
+            t0 = time.perf_counter()
+            np.copyto(dst, pushes[0])
+            kernels.sum_into(dst, *pushes[1:])
+            times.append(time.perf_counter() - t0)
+            if not np.all(dst == workers * (workers + 1) / 2):
+                raise RuntimeError("sum_into gave a wrong sum")
+        self.measurements["server_sum"] = {
+            "workers": workers,
+            "bytes_per_source": 4 * n,
+            "simd": kernels.simd_mode(),
+            "threads": kernels.num_threads(),
+        }
+        return workers * 4 * n / statistics.median(times) / 1e9
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+    import zmq
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+    }
+
+
+def _table(figures: dict[str, float | None], skipped: dict[str, str]) -> str:
+    rows = [f"{'figure':40s} {'value':>10s} {'target':>8s}  status"]
+    for name, value in figures.items():
+        target = TARGETS[name]
+        shown = "n/a" if value is None else f"{value:.3f}"
+        status = (
+            "skipped" if value is None else "-" if target is None else "ok" if value >= target else "MISS"
+        )
+        rows.append(f"{name:40s} {shown:>10s} {'' if target is None else f'>= {target}':>8s}  {status}")
+    rows += [f"skipped {part}: {reason}" for part, reason in skipped.items()]
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, write the JSON, print the table; return 0 (misses are reported, not errors)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (same sizes)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pushpull.json")
+    args = parser.parse_args(argv)
+    bench = Bench(args.quick)
+    figures: dict[str, float | None] = dict.fromkeys(TARGETS)
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="tagps-pushpull-") as tmp:
+        figures.update(bench.loopback(tmp))
+        try:
+            check_support()
+        except ClusterError as exc:
+            skipped["emulated"] = f"the emulated-links part needs root and network namespaces: {exc}"
+        else:
+            figures.update(bench.emulated(tmp))
+    figures["server_sum_GBps"] = bench.server_sum()
+    result = {
+        "machine": _machine(),
+        "quick": args.quick,
+        "commands": bench.commands,
+        "figures": figures,
+        "targets": {k: v for k, v in TARGETS.items() if v is not None},
+        "measurements": bench.measurements,
+        "skipped": skipped,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(_table(figures, skipped))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The processes that ``bench/pushpull.py`` starts (through bpslaunch's supervisor); not run by hand.
+
+Modes:
+    ps OUT SIZES ITERS      a worker machine: push_pull through the summation servers with PSClient
+    gloo OUT SIZES ITERS    a worker: torch.distributed (gloo) all_reduce among the same workers
+    zmq-sink PORT BYTES MSG raw pyzmq loopback throughput: receive BYTES in MSG-byte messages
+    zmq-source PORT BYTES MSG  the sending side of ``zmq-sink``
+
+``SIZES`` is a comma list of tensor sizes in bytes. Each worker fills its tensor with distinct values
+(``(i mod 1024) * (worker + 1)``), and after every timed iteration checks the result is the exact sum, so a
+mixed-up chunk fails the run. Iteration ``i`` starts after a barrier on every worker; each worker writes its
+per-iteration seconds to ``OUT.<worker>.json`` (the first iteration is warm-up and not recorded).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from tagps.config import comm_config
+
+__all__: list[str] = []
+
+
+def _inputs(nbytes: int, worker: int, workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    base = (np.arange(nbytes // 4, dtype=np.int64) % 1024).astype(np.float32)
+    mine = base * (worker + 1)
+    expected = base * (workers * (workers + 1) // 2)
+    return mine, expected, np.empty_like(mine)
+
+
+def _timed(step, mine: np.ndarray, expected: np.ndarray, buf: np.ndarray, barrier, iters: int) -> list[float]:
+    times = []
+    for i in range(iters + 1):
+        np.copyto(buf, mine)
+        barrier()
+        t0 = time.perf_counter()
+        step(buf)
+        elapsed = time.perf_counter() - t0
+        if not np.array_equal(buf, expected):
+            bad = int(np.flatnonzero(buf != expected)[0])
+            raise RuntimeError(f"wrong sum at element {bad}: {buf[bad]} != {expected[bad]}")
+        if i:
+            times.append(elapsed)
+    return times
+
+
+def _ps(out: str, sizes: list[int], iters: int) -> None:
+    from tagps.ps.client import PSClient
+
+    client = PSClient.from_env()
+    try:
+        for nbytes in sizes:
+            client.declare(f"t{nbytes}", nbytes, np.float32)
+        client.barrier()
+        result = {}
+        for nbytes in sizes:
+            mine, expected, buf = _inputs(nbytes, client.worker_id, client.num_workers)
+            name = f"t{nbytes}"
+            result[nbytes] = _timed(
+                lambda b, name=name: client.wait(client.push_pull(name, b, average=False)),
+                mine,
+                expected,
+                buf,
+                client.barrier,
+                iters,
+            )
+        _write(out, client.worker_id, result)
+    finally:
+        client.close()
+
+
+def _gloo(out: str, sizes: list[int], iters: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    cfg = comm_config()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{cfg.root_uri}:{cfg.dist_port}",
+        rank=cfg.worker_id,
+        world_size=cfg.num_worker,
+        timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+    )
+    try:
+        result = {}
+        for nbytes in sizes:
+            mine, expected, buf = _inputs(nbytes, cfg.worker_id, cfg.num_worker)
+            tensor = torch.from_numpy(buf)
+            result[nbytes] = _timed(
+                lambda b, t=tensor: dist.all_reduce(t), mine, expected, buf, dist.barrier, iters
+            )
+        _write(out, cfg.worker_id, result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _write(out: str, worker: int, result: dict[int, list[float]]) -> None:
+    with open(f"{out}.{worker}.json", "w") as f:
+        json.dump({str(k): v for k, v in result.items()}, f)
+
+
+def _zmq(mode: str, port: int, total: int, message: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    if mode == "zmq-sink":
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        received, first = 0, None
+        while received < total:
+            frame = sock.recv(copy=False)
+            first = first or time.perf_counter()
+            received += len(frame.buffer)
+        # The first message's time is not counted: subtract its bytes.
+        rate = (received - message) / (time.perf_counter() - first)
+        print(json.dumps({"bytes_per_s": rate}), flush=True)
+    else:
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        payload = np.ones(message, dtype=np.uint8)
+        for _ in range(total // message):
+            sock.send(payload, copy=False)
+    sock.close(linger=-1)
+    ctx.term()
+
+
+def main(argv: list[str]) -> None:
+    mode, *args = argv
+    if mode in ("ps", "gloo"):
+        out, sizes, iters = args[0], [int(s) for s in args[1].split(",")], int(args[2])
+        (_ps if mode == "ps" else _gloo)(out, sizes, iters)
+    elif mode in ("zmq-sink", "zmq-source"):
+        _zmq(mode, int(args[0]), int(args[1]), int(args[2]))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
