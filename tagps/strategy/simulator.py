@@ -234,16 +234,13 @@ class _GroupCost:
 
 @dataclass(frozen=True)
 class _MPSegment:
-    """The part of a model-parallel op group that runs on one device group (per device figures)."""
+    """Consecutive parts of a model-parallel op group that run on one device group."""
 
     dgroup: int
     fwd: float
     bwd: float
-    param_bytes: int
-    act_bytes: int  # per sample
-    nparams: int
-    out_bytes: int  # per sample, to the next segment
-    devices: int
+    out_bytes: int  # per sample, to later segments
+    memory: dict[int, tuple[int, int, int]]  # device index -> (param bytes, activation bytes/sample, params)
 
 
 class Simulator:
@@ -396,22 +393,29 @@ class Simulator:
         return hit
 
     def _mp_layout(self, group: int, order: tuple[int, ...], batch: int) -> list[_MPSegment]:
-        """Model-parallel layout of op group ``group`` over device groups ``order`` (METIS parts, cached)."""
+        """Model-parallel layout of op group ``group`` over device groups ``order`` (METIS parts, cached).
+
+        The group's METIS parts, in topological order, go to consecutive devices of the placement starting
+        at device ``group mod k``, so that groups with fewer parts than devices do not all land on the
+        first device. Consecutive parts on one device group form one segment (they run as a chain).
+        """
         key = (group, order, batch)
         hit = self._mp_cache.get(key)
         if hit is not None:
             return hit
-        k = sum(self.dgroups[g].count for g in order)
-        parts = split_ops(self.graph, self.groups[group].ops, k, self.seed)
+        devices = [(g, d) for g in order for d in range(self.dgroups[g].count)]
+        parts = split_ops(self.graph, self.groups[group].ops, len(devices), self.seed)
         ops = self.graph.ops
         part_of = {op: j for j, part in enumerate(parts) for op in part}
+        runs: list[tuple[int, list[int]]] = []  # (device group, part indices)
+        for j in range(len(parts)):
+            g = devices[(group + j) % len(devices)][0]
+            if runs and runs[-1][0] == g:
+                runs[-1][1].append(j)
+            else:
+                runs.append((g, [j]))
         segments: list[_MPSegment] = []
-        pos = 0
-        for g in order:
-            mine = list(range(pos, min(pos + self.dgroups[g].count, len(parts))))
-            pos += self.dgroups[g].count
-            if not mine:
-                break
+        for g, mine in runs:
             dtype = self.dtypes[g]
             fwd = bwd = 0.0
             for j in mine:
@@ -426,12 +430,15 @@ class Simulator:
                     else:
                         out += nbytes
             cut = intra * batch / self.bw[g][g]
-            pbytes = [sum(ops[i].param_bytes for i in parts[j]) for j in mine]
-            abytes = [sum(ops[i].out_bytes for i in parts[j]) for j in mine]
-            nparams = max(sum(len(ops[i].params) for i in parts[j]) for j in mine)
-            segments.append(
-                _MPSegment(g, fwd + cut, bwd + cut, max(pbytes), max(abytes), nparams, out, len(mine))
-            )
+            memory = {
+                devices[(group + j) % len(devices)][1]: (
+                    sum(ops[i].param_bytes for i in parts[j]),
+                    sum(ops[i].out_bytes for i in parts[j]),
+                    sum(len(ops[i].params) for i in parts[j]),
+                )
+                for j in mine
+            }
+            segments.append(_MPSegment(g, fwd + cut, bwd + cut, out, memory))
         self._mp_cache[key] = segments
         return segments
 
@@ -725,10 +732,12 @@ class Simulator:
             if segs is not None:
                 for seg in segs:
                     row = mem[seg.dgroup]
-                    for k in range(seg.devices):
-                        row[k] += seg.param_bytes * (2 + state) + seg.act_bytes * fbatch
-                    apply_bytes[seg.dgroup] += seg.param_bytes
-                    apply_count[seg.dgroup] += seg.nparams
+                    for k, (pbytes, abytes, _) in seg.memory.items():
+                        row[k] += pbytes * (2 + state) + abytes * fbatch
+                    # Devices of a group apply in parallel: the group waits for its busiest device.
+                    pbytes, _, nparams = max(seg.memory.values())
+                    apply_bytes[seg.dgroup] += pbytes
+                    apply_count[seg.dgroup] += nparams
                 continue
             static = gc.param_bytes * (2 + state) + sfb_bytes[i]
             for g, row in layouts[i].items():

@@ -1,0 +1,266 @@
+import dataclasses
+import json
+import random
+
+import pytest
+
+from tagps.strategy.baselines import (
+    BASELINES,
+    data_parallel_plan,
+    dp_nccl,
+    dp_nccl_p,
+    even_shares,
+    proportional_shares,
+    random_plan,
+)
+from tagps.strategy.devices import device_type
+from tagps.strategy.graph import model_graph
+from tagps.strategy.grouping import group_ops
+from tagps.strategy.plan import CommSettings, GradientSync, OpGroupPlan, Plan
+from tagps.strategy.simulator import (
+    APPLY_TRAFFIC,
+    Simulator,
+    allgather_time,
+    ring_allreduce_time,
+    summarize,
+)
+from tagps.strategy.topology import DeviceGroup, Topology, paper_cloud, paper_testbed, random_topology
+
+MODELS = ["vgg19", "resnet101", "inceptionv3", "transformer", "bert-large", "gpt2"]
+
+
+def topology(
+    *groups: tuple[str, str, int], inter_gbps: float = 100.0, intra_gbps: float = 96.0, memory: int = 0
+) -> Topology:
+    """A topology from ``(name, device type, count)`` triples."""
+    return Topology("test", tuple(DeviceGroup(n, d, c, intra_gbps, memory) for n, d, c in groups), inter_gbps)
+
+
+def sim_for(model: str, topo: Topology, k: int = 60) -> Simulator:
+    graph = model_graph(model)
+    return Simulator(graph, group_ops(graph, k), topo)
+
+
+def faster(topo: Topology, factor: float) -> Topology:
+    groups = tuple(
+        dataclasses.replace(g, intra_bandwidth_gbps=g.intra_bandwidth_gbps * factor) for g in topo.groups
+    )
+    links = tuple(dataclasses.replace(ln, bandwidth_gbps=ln.bandwidth_gbps * factor) for ln in topo.links)
+    return dataclasses.replace(
+        topo, groups=groups, links=links, inter_bandwidth_gbps=topo.inter_bandwidth_gbps * factor
+    )
+
+
+@pytest.mark.parametrize(("model", "batch"), [("vgg19", 8), ("bert-large", 2), ("inceptionv3", 5)])
+def test_one_device_without_communication_costs_the_sum_of_its_ops(model, batch):
+    topo = topology(("gpu", "V100-32GB", 1))
+    sim = sim_for(model, topo)
+    result = sim.evaluate(dp_nccl(sim, batch))
+    dev = device_type("V100-32GB")
+    expected = 0.0
+    for op in sim.graph.ops:
+        io = (op.in_bytes + op.out_bytes) * batch
+        expected += dev.op_time(op.fwd_flops * batch, op.param_bytes + io)
+        expected += dev.op_time(op.bwd_flops * batch, 2 * op.param_bytes + 2 * io)
+    params = sim.graph.param_bytes
+    expected += APPLY_TRAFFIC["adam"] * params / (dev.memory_bandwidth * dev.memory_efficiency)
+    expected += len(sim.graph.params) * dev.op_overhead_s
+    assert result.iteration_time == pytest.approx(expected, rel=1e-9)
+    assert result.busy["gpu:0"] == pytest.approx(expected, rel=1e-9)
+    assert result.idle["gpu:0"] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("groups", "inter", "intra"),
+    [
+        ((("a", "V100-32GB", 4),), 100.0, 96.0),  # ring inside one group: intra bandwidth
+        ((("a", "1080Ti", 2), ("b", "1080Ti", 2)), 10.0, 96.0),  # inter link is the slowest
+        ((("a", "P100", 3), ("b", "P100", 1), ("c", "T4", 2)), 200.0, 50.0),  # intra link is the slowest
+    ],
+)
+def test_ring_allreduce_task_matches_the_formula(mlp, groups, inter, intra):
+    topo = topology(*groups, inter_gbps=inter, intra_gbps=intra)
+    sim = Simulator(mlp, group_ops(mlp, 1), topo)
+    plan = dp_nccl(sim, 2 * topo.num_devices)
+    result = sim.evaluate(plan, trace=True)
+    (task,) = [t for t in result.tasks if t.category == "allreduce"]
+    n = topo.num_devices
+    bmin = min(inter, intra) * 1e9 / 8 if len(groups) > 1 else intra * 1e9 / 8
+    latency = topo.inter_latency_s if len(groups) > 1 else topo.intra_latency_s
+    expected = 2 * (n - 1) / n * mlp.param_bytes / bmin + 2 * (n - 1) * latency * len(mlp.params)
+    assert task.end - task.start == pytest.approx(expected, rel=1e-12)
+    assert ring_allreduce_time(mlp.param_bytes, n, bmin, latency, len(mlp.params)) == pytest.approx(expected)
+
+
+def test_collective_formulas_and_errors():
+    assert ring_allreduce_time(1e9, 1, 1e9, 1e-5) == 0.0
+    assert ring_allreduce_time(1e9, 4, 1e9, 0.0) == pytest.approx(1.5)
+    assert allgather_time(1e9, 4, 1e9, 0.0) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="n >= 1"):
+        ring_allreduce_time(1.0, 0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        allgather_time(1.0, 2, 0.0, 0.0)
+
+
+def test_ps_task_matches_the_formula(mlp):
+    topo = topology(
+        ("a", "1080Ti", 2), ("b", "1080Ti", 2), ("c", "1080Ti", 1), inter_gbps=10.0, intra_gbps=80.0
+    )
+    sim = Simulator(mlp, group_ops(mlp, 1), topo)
+    plan = data_parallel_plan(sim, 10, even_shares(sim, 10), option="ps", ps_servers=("c",))
+    result = sim.evaluate(plan, trace=True)
+    (task,) = [t for t in result.tasks if t.category == "ps"]
+    size, count, inter, intra = mlp.param_bytes, len(mlp.params), 10e9 / 8, 80e9 / 8
+    expected = 2 * (2 * size / inter) + 2 * (1 / 2) * size / intra + 2 * count * topo.inter_latency_s
+    assert task.end - task.start == pytest.approx(expected, rel=1e-12)
+    assert task.resource == "c/nic"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("make", [paper_testbed, paper_cloud, lambda: random_topology(11)])
+def test_more_bandwidth_never_slows_the_baselines(model, make):
+    topo = make()
+    sim, sim_fast = sim_for(model, topo), sim_for(model, faster(topo, 4.0))
+    batch = 64
+    for name, baseline in BASELINES.items():
+        slow = sim.evaluate(baseline(sim, batch)).iteration_time
+        fast = sim_fast.evaluate(baseline(sim_fast, batch)).iteration_time
+        assert fast <= slow * (1 + 1e-12), name
+
+
+@pytest.mark.parametrize("model", ["vgg19", "transformer"])
+def test_more_bandwidth_never_slows_random_plans(model):
+    topo = paper_testbed()
+    sim, sim_fast = sim_for(model, topo), sim_for(model, faster(topo, 2.0))
+    rng = random.Random(7)
+    for _ in range(25):
+        plan = random_plan(sim, 32, rng)
+        fast_plan = dataclasses.replace(plan, topology=sim_fast.topology)
+        assert sim_fast.evaluate(fast_plan).iteration_time <= sim.evaluate(plan).iteration_time * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(
+    "make", [paper_testbed, paper_cloud, lambda: random_topology(3), lambda: random_topology(8)]
+)
+def test_dp_nccl_p_is_never_slower_than_dp_nccl(model, make):
+    sim = sim_for(model, make())
+    for batch in (16, 64):
+        even = sim.evaluate(dp_nccl(sim, batch))
+        prop = sim.evaluate(dp_nccl_p(sim, batch))
+        assert prop.iteration_time <= even.iteration_time * (1 + 1e-12)
+        assert prop.feasible or not even.feasible
+
+
+def test_proportional_shares_follow_device_speed():
+    sim = sim_for("vgg19", paper_testbed(), 19)
+    shares = proportional_shares(sim, 128)
+    assert sum(shares.values()) == 128
+    assert shares["v100:0"] > shares["1080ti-0:0"] >= shares["p100-0:0"]
+
+
+def mp_plan(sim: Simulator, batch: int) -> Plan:
+    names = tuple(g.name for g in sim.dgroups)
+    ops = sim.graph.ops
+    groups = tuple(OpGroupPlan(tuple(ops[i].name for i in g.ops), names, "mp") for g in sim.groups)
+    gradients = {p: GradientSync(i, "none") for i, g in enumerate(sim.groups) for p in g.param_names}
+    return Plan(sim.topology, sim.graph.name, batch, groups, gradients, even_shares(sim, batch)).validate()
+
+
+def test_model_too_big_for_one_device_is_oom_under_dp_and_fits_under_mp():
+    topo = Topology("small", (DeviceGroup("g", "T4", 4, 96.0, 2 << 30),), 10.0)
+    sim = sim_for("gpt2", topo)
+    assert sim.graph.param_bytes * 4 > 2 << 30  # params + grads + Adam state exceed one device
+    dp = sim.evaluate(dp_nccl(sim, 4))
+    assert not dp.feasible
+    assert set(dp.oom_devices) == {"g:0", "g:1", "g:2", "g:3"}
+    mp = sim.evaluate(mp_plan(sim, 4))
+    assert mp.feasible, mp.peak_memory
+    assert max(mp.peak_memory.values()) < 2 << 30
+    assert sum(mp.peak_memory.values()) >= sim.graph.param_bytes * 4
+
+
+def test_sfb_beats_allreduce_for_a_big_linear_at_small_batch():
+    import torch
+    from torch import nn
+
+    from tagps.strategy.graph import extract_graph
+
+    graph = extract_graph(nn.Sequential(nn.Linear(4096, 4096)), (torch.randn(1, 4096),), "fc")
+    topo = topology(("a", "1080Ti", 2), ("b", "1080Ti", 2), inter_gbps=10.0)
+    sim = Simulator(graph, group_ops(graph, 1), topo)
+    plan = dp_nccl(sim, 4)
+    sfb = dataclasses.replace(
+        plan, gradients={**plan.gradients, "0.weight": GradientSync(0, "sfb")}
+    ).validate()
+    assert sim.evaluate(sfb).iteration_time < sim.evaluate(plan).iteration_time / 10
+    big_batch = dp_nccl(sim, 4096)
+    sfb_big = dataclasses.replace(
+        big_batch, gradients={**big_batch.gradients, "0.weight": GradientSync(0, "sfb")}
+    )
+    assert sim.evaluate(sfb_big).iteration_time > sim.evaluate(big_batch).iteration_time
+
+
+def test_overlap_and_fusion_help():
+    sim = sim_for("bert-large", paper_testbed())
+    dp = sim.evaluate(dp_nccl(sim, 32)).iteration_time
+    horovod = sim.evaluate(BASELINES["horovod-like"](sim, 32)).iteration_time
+    assert horovod < dp
+    unfused = dataclasses.replace(BASELINES["horovod-like"](sim, 32), comm=CommSettings(overlap=True))
+    assert sim.evaluate(unfused).iteration_time >= horovod * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_random_general_plans_simulate_deterministically(model):
+    sim = sim_for(model, paper_testbed())
+    rng = random.Random(1)
+    for _ in range(5):
+        plan = random_plan(sim, 32, rng)
+        first = sim.evaluate(plan)
+        assert first.iteration_time > 0
+        assert sim.evaluate(plan) == first
+        assert (
+            Simulator(sim.graph, sim.grouping, sim.topology).evaluate(plan).iteration_time
+            == first.iteration_time
+        )
+
+
+def test_chrome_trace_and_op_times(tmp_path):
+    sim = sim_for("resnet101", paper_testbed())
+    plan = BASELINES["byteps-like"](sim, 32)
+    result = sim.evaluate(plan, trace=True)
+    path = tmp_path / "trace.json"
+    result.save_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} >= {"forward", "backward", "ps", "apply"}
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(result.iteration_time * 1e6)
+    assert len(result.op_times) == len(sim.graph.ops)
+    assert all(0 <= s <= e <= result.iteration_time for s, e in result.op_times.values())
+    assert "iteration time" in summarize(result, 32)
+    with pytest.raises(ValueError, match="trace=True"):
+        sim.evaluate(plan).chrome_trace()
+
+
+def test_plan_that_does_not_fit_the_simulator_is_refused():
+    sim = sim_for("vgg19", paper_testbed())
+    plan = dp_nccl(sim, 16)
+    with pytest.raises(ValueError, match="op groups"):
+        sim_for("vgg19", paper_testbed(), 5).evaluate(plan)
+    other = sim_for("vgg19", paper_cloud())
+    with pytest.raises(ValueError, match="made for topology"):
+        other.evaluate(plan)
+    missing = dict(plan.gradients)
+    missing.pop(next(iter(missing)))
+    with pytest.raises(ValueError, match="no gradient entry"):
+        sim.evaluate(dataclasses.replace(plan, gradients=missing))
+
+
+def test_baselines_are_valid_data_parallel_plans():
+    sim = sim_for("transformer", paper_cloud())
+    for name, baseline in BASELINES.items():
+        plan = baseline(sim, 64)
+        assert plan.kind == "data-parallel", name
+        assert sum(plan.batch_shares.values()) == 64
+        assert set(plan.gradients) == set(sim.graph.params)
+        assert Simulator.for_plan(plan, sim.graph).evaluate(plan) == sim.evaluate(plan)
