@@ -12,6 +12,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tagps.cluster.run import Cluster
+    from tagps.strategy.topology import Topology
 
 __all__ = ["main"]
 
@@ -29,21 +34,101 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_cluster_down(args: argparse.Namespace) -> int:
-    from tagps.cluster import ClusterError, down_all
+    from tagps.cluster import ClusterError
+    from tagps.cluster.run import down_all
 
     try:
         removed = down_all()
     except ClusterError as exc:
         print(f"tagps cluster down: {exc}", file=sys.stderr)
         return 1
-    print(f"removed {len(removed)} namespaces and links" + (f": {' '.join(removed)}" if removed else ""))
+    print(
+        f"removed {len(removed)} namespaces, links, cgroups and records"
+        + (f": {' '.join(removed)}" if removed else "")
+    )
     return 0
+
+
+def _print_cluster(cluster: Cluster, topology: Topology) -> None:
+    print(f"cluster {cluster.spec.name}: {len(cluster.spec.machines)} machines on {cluster.network.bridge}")
+    print(f"{'machine':<10} {'address':<15} {'netns':<22} {'workers':>7} {'servers':>7} {'cpu':>6} "
+          f"{'Mbit/s':>8}")
+    for m in cluster.spec.machines:
+        print(f"{m.name:<10} {cluster.address(m.name):<15} {cluster.network.node(m.name).netns:<22} "
+              f"{m.workers:>7} {m.servers:>7} {m.cpu if m.cpu is not None else '-':>6} "
+              f"{m.rate_mbit if m.rate_mbit is not None else '-':>8}")
+    print("measured:")
+    print(topology.describe())
+
+
+def _run_cluster_up(args: argparse.Namespace) -> int:
+    import json
+
+    from tagps.cluster import ClusterError
+    from tagps.cluster.run import up
+
+    try:
+        cluster = up(args.spec)
+    except (ClusterError, ValueError) as exc:
+        print(f"tagps cluster up: {exc}", file=sys.stderr)
+        return 1
+    try:
+        topology = cluster.topology(args.probe_seconds)
+        path = Path(args.topology or f"{cluster.spec.name}.topology.json")
+        path.write_text(json.dumps(topology.to_dict(), indent=1) + "\n")
+    except BaseException:
+        cluster.down()
+        raise
+    _print_cluster(cluster, topology)
+    print(f"topology written to {path}; `tagps cluster run {args.spec} -- CMD` runs a job, "
+          "`tagps cluster down` removes it")
+    return 0
+
+
+def _run_cluster_run(args: argparse.Namespace) -> int:
+    from tagps.cluster import ClusterError
+    from tagps.cluster.run import attach, up
+    from tagps.cluster.spec import load_spec
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("tagps cluster run: give the worker command after --", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(args.spec)
+        cluster = attach(spec.name)
+        ephemeral = cluster is None
+        if cluster is None:
+            cluster = up(spec)
+    except (ClusterError, ValueError) as exc:
+        print(f"tagps cluster run: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return cluster.run(command)
+    finally:
+        if ephemeral:
+            cluster.down()
 
 
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cluster", help="emulated clusters: network namespaces with tc-limited links")
     cluster = p.add_subparsers(dest="cluster_command", required=True)
-    down = cluster.add_parser("down", help="remove every tagps- namespace and link (also after a crash)")
+    upp = cluster.add_parser(
+        "up", help="build the cluster of SPEC.yaml (namespaces, tc limits, cgroup CPU quotas) and measure it"
+    )
+    upp.add_argument("spec", help="cluster spec (YAML/JSON, see docs/cluster.md)")
+    upp.add_argument("--topology", help="where to write the measured topology (default: NAME.topology.json)")
+    upp.add_argument("--probe-seconds", type=float, default=0.5, help="seconds per bandwidth probe")
+    upp.set_defaults(func=_run_cluster_up)
+    run = cluster.add_parser(
+        "run", help="run scheduler, servers and workers of SPEC.yaml in their namespaces (up if needed)"
+    )
+    run.add_argument("spec", help="cluster spec (YAML/JSON)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD: the worker command")
+    run.set_defaults(func=_run_cluster_run)
+    down = cluster.add_parser(
+        "down", help="remove every tagps- namespace, link, cgroup and record (also after a crash)"
+    )
     down.set_defaults(func=_run_cluster_down)
 
 
@@ -54,20 +139,26 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from tagps.strategy.simulator import Simulator, summarize
     from tagps.strategy.topology import load_topology
 
-    if args.strategy in BASELINES:
-        if not args.model:
-            raise SystemExit("tagps simulate: --model is required with a baseline strategy")
-        sim = Simulator.for_model(args.model, load_topology(args.topology), args.groups)
-        batch = args.batch or default_batch_size(args.model)
-        plan = BASELINES[args.strategy](sim, batch)
-    else:
-        plan = load(args.strategy)
-        if args.batch and args.batch != plan.batch_size:
-            raise SystemExit(f"tagps simulate: --batch {args.batch} is not the plan's {plan.batch_size}")
-        sim = Simulator.for_plan(plan)
-    result = sim.evaluate(plan, trace=bool(args.trace))
-    print(f"model {sim.graph.name}, topology {sim.topology.name}, strategy {args.strategy}, "
-          f"batch {plan.batch_size}, {len(sim.groups)} op groups")
+    try:
+        if args.strategy in BASELINES:
+            if not args.model:
+                raise ValueError("--model is required with a baseline strategy")
+            sim = Simulator.for_model(args.model, load_topology(args.topology), args.groups)
+            batch = args.batch or default_batch_size(args.model)
+            plan = BASELINES[args.strategy](sim, batch)
+        else:
+            plan = load(args.strategy)
+            if args.batch and args.batch != plan.batch_size:
+                raise ValueError(f"--batch {args.batch} is not the plan's batch size {plan.batch_size}")
+            sim = Simulator.for_plan(plan)
+        result = sim.evaluate(plan, trace=bool(args.trace))
+    except ValueError as exc:
+        print(f"tagps simulate: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"model {sim.graph.name}, topology {sim.topology.name}, strategy {args.strategy}, "
+        f"batch {plan.batch_size}, {len(sim.groups)} op groups"
+    )
     print(summarize(result, plan.batch_size))
     if args.trace:
         result.save_chrome_trace(args.trace)
@@ -90,7 +181,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 def _run_topology(args: argparse.Namespace) -> int:
     from tagps.strategy.topology import load_topology
 
-    print(load_topology(args.spec).describe())
+    try:
+        print(load_topology(args.spec).describe())
+    except ValueError as exc:
+        print(f"tagps topology: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
