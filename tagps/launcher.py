@@ -162,7 +162,8 @@ class _Supervisor:
         self.grace = grace
         self.children: list[_Child] = []
         self.selector = selectors.DefaultSelector()
-        self.signalled: int | None = None
+        self.signalled: int | None = None  # the first stop signal
+        self.signal_count = 0
         self.failure: int | None = None
         self.specs = specs
 
@@ -180,6 +181,7 @@ class _Supervisor:
         self.emit(f"[bpslaunch] {message}\n".encode())
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        self.signal_count += 1
         if self.signalled is None:
             self.signalled = signum
 
@@ -253,14 +255,17 @@ class _Supervisor:
                     self.failure = child.status
                     return
             if all(c.exited() for c in mains):
-                if self.wait_until(lambda: all(c.exited() for c in services), self.grace, interruptible=True):
-                    bad = next((c for c in services if c.status != 0), None)
-                    if bad is not None:
-                        self.log(f"{bad.spec.label} exited with status {bad.status}")
-                        self.failure = bad.status
-                return
+                self.wait_until(lambda: all(c.exited() for c in services), self.grace, interruptible=True)
+                bad = next((c for c in services if c.exited() and c.status != 0), None)
+                if bad is not None:
+                    self.log(f"{bad.spec.label} exited with status {bad.status}")
+                    self.failure = bad.status
+                break
             self.pump(0.05)
-        self.log(f"received {signal.Signals(self.signalled).name}; stopping the job")
+        if self.signalled is not None and self.failure is None:
+            self.log(
+                f"received {signal.Signals(self.signalled).name}; stopping the job (again: kill at once)"
+            )
 
     def _teardown(self) -> int:
         """Stop every process group (TERM, grace, KILL), reap, drain output; return the job's status."""
@@ -268,7 +273,10 @@ class _Supervisor:
         for child in running:
             child.signal_group(signal.SIGTERM)
         if running:
-            self.wait_until(lambda: all(c.exited() for c in running), self.grace)
+            signals = self.signal_count  # one more stop signal cuts the grace period short
+            self.wait_until(
+                lambda: all(c.exited() for c in running) or self.signal_count > signals, self.grace
+            )
         for child in self.children:
             child.signal_group(signal.SIGKILL)  # stragglers in the group, and leaders past the grace
         for child in self.children:

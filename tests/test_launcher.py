@@ -365,6 +365,63 @@ def test_a_failing_service_fails_the_job(child: tuple[Path, Path]) -> None:
     _assert_all_gone(pids, 2)
 
 
+def test_a_service_failing_while_the_others_are_stopped_still_counts(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    out = io.BytesIO()
+    specs = [
+        _spec("scheduler", script, pids, "sleep", service=True),
+        _spec("server 0", script, pids, "fail:6", service=True),  # exits 6 after the worker is done
+        _spec("worker 0.0", script, pids, "ok"),
+    ]
+    assert run_processes(specs, out=out, grace=2) == 6
+    assert b"[bpslaunch] server 0 exited with status 6" in out.getvalue()
+    _assert_all_gone(pids, 3)
+
+
+def test_second_sigint_skips_the_grace_period(child: tuple[Path, Path]) -> None:
+    script, pids = child
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tagps.launcher",
+            "--local",
+            "1",
+            "--servers",
+            "0",
+            "--local-size",
+            "2",
+            "--grace",
+            "60",
+            "--",
+            sys.executable,
+            str(script),
+            str(pids),
+            "ignore-term",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_clean_env(),
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(_recorded(pids)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # let the children install their SIGTERM handler
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert time.monotonic() - start < 20  # not the 60 s grace
+    _assert_all_gone(pids, 2)
+
+
 def test_unfinished_last_line_is_still_prefixed(child: tuple[Path, Path]) -> None:
     script, pids = child
     out = io.BytesIO()
