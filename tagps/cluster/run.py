@@ -1,0 +1,339 @@
+"""Emulated clusters from a spec: bring them up, measure them, run BytePS-style jobs in them, remove them.
+
+:func:`up` builds one network namespace per machine of a :class:`~tagps.cluster.spec.ClusterSpec` (veth to
+a bridge, ``tc`` rate and delay per machine, :mod:`tagps.cluster.netns`) and one CPU cgroup per machine
+with a quota (:mod:`tagps.cluster.cgroup`), and records it in ``/run/tagps/cluster-<name>.json`` so that
+later commands (``tagps cluster run``) find it. :meth:`Cluster.topology` measures every link (round trip and
+TCP goodput between each pair of worker machines and inside each one) and a device's matmul rate under its
+machine's quota, and returns the matching :class:`~tagps.strategy.topology.Topology`, so that ``tagps plan``
+and ``tagps simulate`` see the cluster the jobs run on. :meth:`Cluster.job` describes a job as ``bpslaunch``
+processes (scheduler, servers, one worker process per device) with the right ``DMLC_*`` variables, each
+started inside its machine's namespace and cgroup; :meth:`Cluster.run` supervises it like ``bpslaunch``.
+:func:`down_all` removes every namespace, link, cgroup and record the project made, also after a crash.
+
+Every worker process is one device with one compute thread (``OMP_NUM_THREADS=1``); its machine's quota is
+shared by everything that machine runs. ``torch.distributed`` traffic leaves through ``eth0``
+(``GLOO_SOCKET_IFNAME``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from tagps.cluster import cgroup as cg
+from tagps.cluster import netns
+from tagps.cluster.measure import LinkMeasurement, measure_pair
+from tagps.cluster.spec import ClusterSpec, MachineSpec, load_spec
+from tagps.launcher import ProcessSpec, run_processes
+from tagps.strategy.topology import DeviceGroup, Link, Topology
+
+__all__ = ["STATE_DIR", "Cluster", "attach", "down_all", "up"]
+
+STATE_DIR = Path("/run/tagps")
+_PROBE_PORT = 7000
+# A device's compute rate: single-threaded float32 matmuls of this size, for this long.
+_FLOPS_PROBE = (
+    "import sys, time, torch\n"
+    "torch.set_num_threads(1)\n"
+    "a = torch.randn(256, 256); b = torch.randn(256, 256)\n"
+    "for _ in range(3): a @ b\n"
+    "n, start = 0, time.perf_counter()\n"
+    "while time.perf_counter() - start < float(sys.argv[1]): a @ b; n += 1\n"
+    "print(2 * 256 ** 3 * n / (time.perf_counter() - start))\n"
+)
+
+
+def _state_path(name: str) -> Path:
+    return STATE_DIR / f"cluster-{name}.json"
+
+
+@dataclass
+class Cluster:
+    """A running emulated cluster: its spec, network and CPU cgroups.
+
+    Args:
+        spec: what it was built from.
+        network: one node per machine, named like the machines.
+        cgroups: machine name → its CPU cgroup (machines without a quota are absent).
+    """
+
+    spec: ClusterSpec
+    network: netns.Network
+    cgroups: dict[str, cg.CpuCgroup]
+
+    def __repr__(self) -> str:
+        return f"Cluster({self.spec.name!r}, {self.network!r})"
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # ------------------------------------------------------------------ processes
+    def exec_argv(self, machine: str, argv: Sequence[str]) -> list[str]:
+        """Return the command line that runs ``argv`` in ``machine``'s namespace and cgroup."""
+        return cg.join_argv(self.cgroups.get(machine), self.network.exec_argv(machine, argv))
+
+    def address(self, machine: str) -> str:
+        """IPv4 address of ``machine``."""
+        return self.network.address(machine)
+
+    def job(
+        self,
+        command: Sequence[str],
+        devices: Sequence[str] | None = None,
+        servers: Mapping[str, int] | None = None,
+        env: Mapping[str, str] = os.environ,
+    ) -> list[ProcessSpec]:
+        """Describe a job: scheduler and servers (when there are servers), then one worker per device.
+
+        Worker ranks follow ``devices`` (machine-major, the order plans use). When every machine used has
+        the same number of devices ``L``, each machine is one BytePS worker of ``L`` local ranks (so the
+        ``ps`` path reduces inside it first); otherwise every device is a worker of its own. The scheduler
+        and ``torch.distributed``'s rendezvous (rank 0) share the first device's machine.
+
+        Args:
+            command: the worker command.
+            devices: ``"<machine>:<index>"`` names to run a worker on (default: every device of the spec).
+            servers: machine → summation servers on it (default: the spec's ``servers``).
+            env: the environment the processes inherit (layout variables are set per process).
+
+        Raises:
+            ValueError: an empty command, unknown or repeated devices, devices out of machine order, or
+                servers on an unknown machine.
+        """
+        if not command:
+            raise ValueError("the worker command is empty")
+        devices = list(self.spec.devices() if devices is None else devices)
+        known = self.spec.devices()
+        bad = [d for d in devices if d not in known]
+        if bad or not devices or len(set(devices)) != len(devices):
+            raise ValueError(f"devices must be distinct names from {known}; got {devices}")
+        order = [known.index(d) for d in devices]
+        if order != sorted(order):
+            raise ValueError(f"devices must be in machine-major order {known}; got {devices}")
+        servers = {m.name: m.servers for m in self.spec.machines} if servers is None else dict(servers)
+        for name, count in servers.items():
+            self.spec.machine(name)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"servers on {name!r} must be an integer >= 0, got {count!r}")
+        per_machine: dict[str, list[int]] = {}
+        for d in devices:
+            machine, index = d.split(":")
+            per_machine.setdefault(machine, []).append(int(index))
+        sizes = {len(v) for v in per_machine.values()}
+        local_size = sizes.pop() if len(sizes) == 1 else 1
+        num_workers = len(devices) // local_size
+        num_servers = sum(servers.values())
+        first = next(iter(per_machine))
+        root_port = random.randrange(20000, 60000, 2)  # fresh namespaces: nothing else listens there
+        common = {
+            "DMLC_NUM_WORKER": str(num_workers),
+            "DMLC_NUM_SERVER": str(num_servers),
+            "DMLC_PS_ROOT_URI": self.address(first),
+            "DMLC_PS_ROOT_PORT": str(root_port),
+            "TAGPS_DIST_PORT": str(root_port + 1),
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        base = {k: v for k, v in env.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL_"))}
+        base.update(common)
+        specs: list[ProcessSpec] = []
+
+        def service(label: str, machine: str, role: str) -> ProcessSpec:
+            argv = self.exec_argv(machine, [sys.executable, "-m", f"tagps.{role}"])
+            node_env = {**base, "DMLC_ROLE": role, "DMLC_NODE_HOST": self.address(machine)}
+            return ProcessSpec(label, tuple(argv), node_env, service=True)
+
+        if num_servers:
+            specs.append(service(f"scheduler@{first}", first, "scheduler"))
+            for machine, count in servers.items():
+                specs += [service(f"server {machine}.{s}", machine, "server") for s in range(count)]
+        for rank, d in enumerate(devices):
+            machine = d.split(":")[0]
+            worker_env = {
+                **base,
+                "DMLC_ROLE": "worker",
+                "DMLC_WORKER_ID": str(rank // local_size),
+                "DMLC_NODE_HOST": self.address(machine),
+                "BYTEPS_LOCAL_RANK": str(rank % local_size),
+                "BYTEPS_LOCAL_SIZE": str(local_size),
+                "TAGPS_DEVICE": d,
+            }
+            specs.append(ProcessSpec(f"worker {d}", tuple(self.exec_argv(machine, command)), worker_env))
+        return specs
+
+    def run(
+        self,
+        command: Sequence[str],
+        devices: Sequence[str] | None = None,
+        servers: Mapping[str, int] | None = None,
+        env: Mapping[str, str] = os.environ,
+        out: BinaryIO | None = None,
+        grace: float = 5.0,
+    ) -> int:
+        """Run :meth:`job` under ``bpslaunch``'s supervision and return its exit status (main thread only)."""
+        return run_processes(self.job(command, devices, servers, env), out=out, grace=grace)
+
+    # ------------------------------------------------------------------ measurements
+    def _measure(self, server: str, client: str, seconds: float) -> LinkMeasurement:
+        return measure_pair(
+            lambda argv: self.exec_argv(server, argv),
+            lambda argv: self.exec_argv(client, argv),
+            self.address(server),
+            _PROBE_PORT,
+            seconds,
+        )
+
+    def device_flops(self, machine: MachineSpec, seconds: float = 1.0) -> float:
+        """Measure a device's float32 matmul rate on ``machine``: all its devices busy at once, the mean."""
+        argv = self.exec_argv(machine.name, [sys.executable, "-c", _FLOPS_PROBE, str(seconds)])
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(machine.workers)
+        ]
+        rates = []
+        for p in procs:
+            out, err = p.communicate(timeout=seconds + 120)
+            if p.returncode != 0:
+                raise RuntimeError(f"compute probe on {machine.name!r} failed: {err.strip()}")
+            rates.append(float(out))
+        return statistics.mean(rates)
+
+    def topology(self, seconds: float = 0.5) -> Topology:
+        """Measure the cluster and return its topology (one CPU device group per worker machine).
+
+        Bandwidths are TCP goodputs: between two machines (each pair), and inside a machine over loopback
+        (both ends under its quota); latencies are half the median round trip of 64-byte messages. Every
+        group's ``peak_flops`` is its devices' measured matmul rate; the simulator's efficiency constants
+        relate real ops to it (``tagps.strategy.calibration``).
+
+        Args:
+            seconds: how long each goodput probe streams (default 0.5).
+        """
+        machines = self.spec.worker_machines
+        intra: dict[str, LinkMeasurement] = {m.name: self._measure(m.name, m.name, seconds) for m in machines}
+        inter: dict[tuple[str, str], LinkMeasurement] = {}
+        for i, a in enumerate(machines):
+            for b in machines[i + 1 :]:
+                inter[(a.name, b.name)] = self._measure(a.name, b.name, seconds)
+        groups = tuple(
+            DeviceGroup(
+                m.name,
+                "CPU",
+                m.workers,
+                round(intra[m.name].bandwidth_Bps * 8 / 1e9, 4),
+                peak_flops=round(self.device_flops(m), -6),
+            )
+            for m in machines
+        )
+        links = tuple(Link(a, b, round(m.bandwidth_Bps * 8 / 1e9, 4)) for (a, b), m in inter.items())
+        slowest_intra = min(g.intra_bandwidth_gbps for g in groups)
+        inter_bw = min((ln.bandwidth_gbps for ln in links), default=slowest_intra)
+        rtt_inter = [m.rtt_s for m in inter.values()] or [m.rtt_s for m in intra.values()]
+        return Topology(
+            self.spec.name,
+            groups,
+            inter_bw,
+            links,
+            intra_latency_s=statistics.median(m.rtt_s for m in intra.values()) / 2,
+            inter_latency_s=statistics.median(rtt_inter) / 2,
+        )
+
+    # ------------------------------------------------------------------ teardown
+    def down(self) -> None:
+        """Remove the cluster: its processes, namespaces, links, cgroups and record; idempotent."""
+        self.network.down()
+        for group in self.cgroups.values():
+            group.remove()
+        _state_path(self.spec.name).unlink(missing_ok=True)
+
+    def _save(self) -> None:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        state = {
+            "spec": self.spec.to_dict(),
+            "index": self.network.index,
+            "mtu": self.network.mtu,
+            "nodes": {
+                n.name: {"netns": n.netns, "address": n.address, "host_ifname": n.host_ifname}
+                for n in self.network.nodes.values()
+            },
+            "cgroups": {name: [str(g.path), g.version, g.cores] for name, g in self.cgroups.items()},
+        }
+        _state_path(self.spec.name).write_text(json.dumps(state, indent=1))
+
+
+def up(spec: ClusterSpec | str | Path | Mapping[str, Any]) -> Cluster:
+    """Build the cluster of ``spec`` (a spec, its dict form or a YAML/JSON file) and record it.
+
+    Raises:
+        ValueError: a malformed spec.
+        ClusterError: not root, tools or cgroup controller missing, a cluster of that name is already up
+            (``tagps cluster down`` removes it), or the kernel refused; what was built is removed again.
+    """
+    spec = load_spec(spec)
+    netns.check_support()
+    if attach(spec.name) is not None:
+        raise netns.ClusterError(
+            f"cluster {spec.name!r} is already up ({_state_path(spec.name)}); run `tagps cluster down` first"
+        )
+    limits = {m.name: netns.LinkLimit(m.rate_mbit, m.delay_ms) for m in spec.machines}
+    network = netns.up(limits)
+    cluster = Cluster(spec, network, {})
+    try:
+        for m in spec.machines:
+            if m.cpu is not None:
+                cluster.cgroups[m.name] = cg.create(network.node(m.name).netns, m.cpu)
+        cluster._save()
+    except BaseException:
+        cluster.down()
+        raise
+    return cluster
+
+
+def attach(name: str) -> Cluster | None:
+    """Return the cluster ``name`` that :func:`up` recorded, or ``None`` when none is up.
+
+    A record whose namespaces are gone (a reboot, ``tagps cluster down``) is deleted and ``None`` returned.
+    """
+    path = _state_path(name)
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    spec = ClusterSpec.from_dict(state["spec"])
+    nodes = {
+        m.name: netns.Node(m.name, **state["nodes"][m.name], limit=netns.LinkLimit(m.rate_mbit, m.delay_ms))
+        for m in spec.machines
+    }
+    live = set(netns._namespaces())
+    if any(n.netns not in live for n in nodes.values()):
+        path.unlink(missing_ok=True)
+        return None
+    groups = {m: cg.CpuCgroup(Path(p), v, c) for m, (p, v, c) in state["cgroups"].items()}
+    return Cluster(spec, netns.Network(state["index"], nodes, state["mtu"]), groups)
+
+
+def down_all() -> list[str]:
+    """Remove every emulated network, CPU cgroup and cluster record of the project; idempotent.
+
+    Returns:
+        What it removed: namespaces and links, cgroup paths, record files.
+    """
+    removed = netns.down_all()
+    removed += cg.remove_all()
+    for path in sorted(STATE_DIR.glob("cluster-*.json")) if STATE_DIR.is_dir() else []:
+        path.unlink(missing_ok=True)
+        removed.append(str(path))
+    return removed
