@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tagps.models import cnn, transformer
+from tagps.models import cnn, small, transformer
 
 __all__ = ["MODELS", "ModelSpec", "build_model", "default_batch_size", "example_inputs", "model_spec"]
 
@@ -62,6 +62,8 @@ MODELS: dict[str, ModelSpec] = {
             "bert-large", transformer.bert_large, _tokens(transformer.BERT_VOCAB, transformer.BERT_SEQ), 32
         ),
         ModelSpec("gpt2", transformer.gpt2_small, _tokens(transformer.GPT2_VOCAB, transformer.GPT2_SEQ), 32),
+        ModelSpec("vgg-mini", small.vgg_mini, _images(32), 64),
+        ModelSpec("transformer-mini", small.transformer_mini, _tokens(small.MINI_VOCAB, small.MINI_SEQ), 32),
     )
 }
 
