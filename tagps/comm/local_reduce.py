@@ -187,6 +187,9 @@ class LocalReducer:
         if self._error is not None:
             raise RuntimeError(f"the local reduction service failed earlier: {self._error}")
         future = ReductionFuture(name, self._timeout)
+        if tensor.numel() == 0:
+            future.set()
+            return future
         self._tasks.put((name, tensor, priority, future))
         self._wake()
         return future
@@ -227,7 +230,10 @@ class LocalReducer:
                         task = self._tasks.get()
                         if task is None:
                             return
-                        self._start(*task)
+                        try:
+                            self._start(*task)
+                        except Exception as exc:  # this tensor is refused; the service goes on
+                            task[3].set(exc)
                 if self._sock in events:
                     while self._sock.poll(0):
                         self._on_message(self._sock.recv_multipart())

@@ -84,10 +84,11 @@ def train(case: dict[str, Any], distributed: bool, progress: dict[str, int]) -> 
         opt = bps.DistributedOptimizer(
             opt,
             named_parameters=model.named_parameters(),
-            strategy=case.get("strategy"),
+            strategy=case.get("plan", case.get("strategy")),
             compression=getattr(bps.Compression, case.get("compression", "none")),
             backward_passes_per_step=bpps,
-            batch_share=float(shares[bps.rank()]) if case.get("shares") else None,
+            # A plan carries its own batch shares; otherwise every worker states its share.
+            batch_share=float(shares[bps.rank()]) if case.get("shares") and not case.get("plan") else None,
         )
     loss_fn = nn.CrossEntropyLoss()
     for step in range(case.get("steps", 5)):
@@ -105,7 +106,33 @@ def train(case: dict[str, Any], distributed: bool, progress: dict[str, int]) -> 
     return model
 
 
+def push_pull_sizes() -> float:
+    """push_pull (copy, in place, async with poll) of distinct values per rank; return the worst error."""
+    worst = 0.0
+    weight = float(bps.rank() + 1)
+    total = sum(r + 1 for r in range(bps.size()))
+    for dtype in (torch.float32, torch.float64):
+        for n in (0, 1, 7, 8, 1023, 1 << 20):
+            base = torch.arange(n, dtype=dtype) % 1000 - 500
+            mine = base * weight
+            expect = base * total
+            got_copy = bps.push_pull(mine, average=False, name=f"sizes.{dtype}.{n}")
+            assert torch.equal(mine, base * weight), "push_pull must not change its argument"
+            handle = bps.push_pull_async_inplace(mine, average=True, name=f"sizes.inplace.{dtype}.{n}")
+            while not bps.poll(handle):
+                pass
+            bps.synchronize(handle)
+            worst = max(
+                worst,
+                float((got_copy - expect).abs().max()) if n else 0.0,
+                float((mine - expect / bps.size()).abs().max()) if n else 0.0,
+            )
+    return worst
+
+
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    if case.get("kind") == "push_pull":
+        return {"max_abs_diff": push_pull_sizes()}
     progress = {"steps_done": 0}
     try:
         dist_model = train(case, distributed=True, progress=progress)

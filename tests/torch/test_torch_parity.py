@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 from torch_jobs import run_job
 
+from tagps.strategy.plan import PLAN_VERSION
+from tagps.strategy.topology import paper_testbed
+
 TOL = 1e-5
 # fp16 compression rounds each gradient element to 11 significant bits twice (before and after the sum):
 # relative error <= 2**-10 per step. Five SGD-momentum steps with lr 0.1 on gradients of magnitude <= 1
@@ -44,6 +47,24 @@ PS_STRATEGIES: dict[str, dict[str, dict[str, str]]] = {
 }
 
 
+def _mlp_plan() -> dict[str, Any]:
+    """A data-parallel plan for the MLP on two devices with batch shares 6 and 2."""
+    topology = paper_testbed()
+    shares = dict.fromkeys(topology.devices(), 0)
+    shares.update({"v100:0": 6, "v100:1": 2})
+    syncs = {"fc1.weight": "sfb", "fc1.bias": "allreduce", "fc2.weight": "allreduce"}
+    return {
+        "version": PLAN_VERSION,
+        "kind": "data-parallel",
+        "model": "mlp",
+        "batch_size": 8,
+        "topology": topology.to_dict(),
+        "groups": [{"ops": ["fc1", "fc2"], "placement": ["v100"], "option": "allreduce"}],
+        "gradients": {n: {"group": 0, "sync": s} for n, s in syncs.items()},
+        "batch_shares": shares,
+    }
+
+
 def _grid(strategies: dict[str, dict[str, dict[str, str]]]) -> list[dict[str, Any]]:
     return [
         {"id": f"{model}-{method}-{opt}", "model": model, "optimizer": opt, "strategy": strategy}
@@ -57,6 +78,7 @@ ALLREDUCE_CASES = [
     *_grid(STRATEGIES),
     {"id": "uneven-shares", "model": "cnn", "optimizer": "adam", "shares": [6, 2],
      "strategy": {"head.weight": "sfb"}},
+    {"id": "plan-with-shares", "model": "mlp", "optimizer": "adam", "shares": [6, 2], "plan": _mlp_plan()},
     {"id": "bpps-2", "model": "mlp", "optimizer": "sgd", "bpps": 2, "strategy": {"fc2.weight": "sfb"}},
     {"id": "fp16", "model": "mlp", "optimizer": "sgd", "compression": "fp16"},
     {"id": "broadcast-parameters", "model": "cnn", "optimizer": "sgd", "skew_init": True},
@@ -69,6 +91,11 @@ PS_CASES = [
     {"id": "ps-uneven-shares", "model": "mlp", "optimizer": "adam", "shares": [5, 3, 2, 6],
      "strategy": {"default": "ps"}},
     {"id": "ps-fp16", "model": "cnn", "optimizer": "sgd", "compression": "fp16",
+     "strategy": {"default": "ps"}},
+]  # fmt: skip
+LOCAL_CASES = [
+    {"id": "push-pull-sizes", "kind": "push_pull"},
+    {"id": "local3-ps-cnn", "model": "cnn", "optimizer": "sgd", "shares": [3, 1, 4],
      "strategy": {"default": "ps"}},
 ]  # fmt: skip
 EXPECTED_ERRORS = {
@@ -94,6 +121,19 @@ def ps_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         servers=1,
         local_size=2,
         env={"BYTEPS_PCIE_SWITCH_SIZE": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def local_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One machine of three local ranks in two topology groups, and a summation server."""
+    return run_job(
+        tmp_path_factory.mktemp("local"),
+        LOCAL_CASES,
+        workers=1,
+        servers=1,
+        local_size=3,
+        env={"TAGPS_LOCAL_TOPOLOGY": "0,2|1"},
     )
 
 
@@ -126,3 +166,9 @@ def test_ps_with_intra_machine_reduction_matches_single_process(
 def test_fp16_bound_is_not_trivially_loose(allreduce_job: list[dict[str, Any]]) -> None:
     """fp16 must actually change the numbers (else the compression was not applied)."""
     assert allreduce_job[0]["fp16"]["max_abs_diff"] > 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", [c["id"] for c in LOCAL_CASES])
+def test_three_local_ranks_in_two_topology_groups(local_job: list[dict[str, Any]], case_id: str) -> None:
+    _check(local_job, case_id)
