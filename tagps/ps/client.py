@@ -393,6 +393,8 @@ class PSClient:
             sock = self._security.client(self._context.socket(zmq.DEALER))
             sock.setsockopt(zmq.ROUTING_ID, routing_id(self.node_id))
             sock.setsockopt(zmq.LINGER, 0)
+            # A send that cannot be queued for this long means the server is unreachable: fail, never hang.
+            sock.setsockopt(zmq.SNDTIMEO, int(self.config.heartbeat_timeout * 1000))
             sock.connect(f"tcp://{host}:{port}")
             sockets.append(sock)
         return sockets
@@ -418,6 +420,11 @@ class PSClient:
                 self._link.beat()
         except JobFailed as exc:
             self._fail_all(str(exc))
+        except zmq.Again:
+            self._fail_all(
+                f"a send blocked for PS_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g} s: "
+                "a server or the scheduler is unreachable"
+            )
         except Exception as exc:  # never leave a waiter hanging on a bug
             log.exception("PS client I/O thread crashed")
             self._fail_all(f"internal error in the PS client: {exc!r}")
@@ -586,6 +593,6 @@ class PSClient:
                     item._done.set()
 
     def _teardown(self) -> None:
+        self._security.close()
         if not self._context.closed:
             self._context.destroy(linger=0)
-        self._security.close()

@@ -78,6 +78,7 @@ class SchedulerLink:
         self.config = config
         self.socket = security.client(context.socket(zmq.DEALER))
         self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.setsockopt(zmq.SNDTIMEO, int(config.heartbeat_timeout * 1000))
         self.socket.connect(f"tcp://{config.root_uri}:{config.root_port}")
         self._registration = {
             "role": role,
@@ -100,7 +101,14 @@ class SchedulerLink:
         Raises:
             JobFailed: the scheduler rejected the registration, went silent or reported a failed node.
         """
-        self.socket.send_multipart(pack_json(Op.REGISTER, self._registration, sender=0))
+        try:
+            self.socket.send_multipart(pack_json(Op.REGISTER, self._registration, sender=0))
+        except zmq.Again:
+            raise JobFailed(
+                f"cannot reach the scheduler at {self.config.root_uri}:{self.config.root_port} within "
+                f"PS_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g} s (wrong address, or "
+                "TAGPS_PS_SECRET differs)"
+            ) from None
         self._last_heard = time.monotonic()
         while True:
             self.beat()
@@ -119,7 +127,10 @@ class SchedulerLink:
                 f"{self.config.heartbeat_timeout:g} s (PS_HEARTBEAT_TIMEOUT); it is gone or unreachable"
             )
         if now - self._last_beat >= self.config.heartbeat_interval:
-            self.socket.send(pack_header(Op.HEARTBEAT, sender=self.node_id))
+            try:
+                self.socket.send(pack_header(Op.HEARTBEAT, sender=self.node_id), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # not connected (yet): the silence check above decides when to give up
             self._last_beat = now
 
     def receive(self) -> tuple[Op, dict[str, Any] | int]:

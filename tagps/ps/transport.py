@@ -24,6 +24,8 @@ __all__ = ["CurveKeys", "Security", "bind_random_port", "resolve_host"]
 
 log = logging.getLogger(__name__)
 
+ZAP_DOMAIN = b"tagps"
+
 
 @dataclass(frozen=True)
 class CurveKeys:
@@ -78,7 +80,7 @@ class Security:
         if self.keys is not None:
             self._auth = ThreadAuthenticator(context, log=logging.getLogger("tagps.ps.zap"))
             self._auth.start()
-            self._auth.configure_curve_callback("*", _OnlyJobClients(self.keys.client_public))
+            self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), _OnlyJobClients(self.keys.client_public))
 
     def server(self, sock: zmq.Socket) -> zmq.Socket:
         """Make ``sock`` (before it binds) a CURVE server that checks clients through ZAP."""
@@ -86,7 +88,7 @@ class Security:
             sock.curve_server = True
             sock.curve_secretkey = self.keys.server_secret
             sock.curve_publickey = self.keys.server_public
-            sock.zap_domain = b"tagps"
+            sock.zap_domain = ZAP_DOMAIN
         return sock
 
     def client(self, sock: zmq.Socket) -> zmq.Socket:
