@@ -113,12 +113,12 @@ class Bench:
             sys.stderr.write(log.getvalue().decode(errors="replace"))
             raise RuntimeError(f"benchmark job failed with status {status} (its output is above)")
         per_worker = [json.loads(Path(f"{out}.{w}.json").read_text()) for w in range(workers)]
-        return {
-            int(size): statistics.median(
-                max(step) for step in zip(*(r[size] for r in per_worker), strict=True)
-            )
+        slowest = {
+            int(size): [max(step) for step in zip(*(r[size] for r in per_worker), strict=True)]
             for size in per_worker[0]
         }
+        self.measurements.setdefault("iterations_s", {})[Path(out).name] = slowest
+        return {size: statistics.median(steps) for size, steps in slowest.items()}
 
     def worker_argv(self, mode: str, out: str, sizes: Sequence[int], iters: int) -> list[str]:
         return [sys.executable, str(WORKER), mode, out, ",".join(map(str, sizes)), str(iters)]
