@@ -10,13 +10,18 @@
 
 namespace tagps {
 
-// Chunk boundaries are multiples of this many elements (a multiple of every vector width, and of 64
-// bytes for all dtypes), so every chunk but the last starts on the same alignment as the whole array.
+// Chunk sizes are multiples of this many elements (a multiple of every vector width, and of 64 bytes
+// for all dtypes), so every chunk starts on the same alignment as the whole array.
 inline constexpr size_t kChunkAlign = 64;
 
 // Calls fn(begin, end) over disjoint chunks covering [0, n): one call on the calling thread when
-// n < min_parallel or one thread is configured, else one contiguous chunk per OpenMP thread, each at
-// least min_parallel / 2 elements. fn must not throw (validate before calling).
+// n < min_parallel or one thread is configured; otherwise OpenMP threads take chunks of at least
+// min_parallel / 2 elements, about kChunksPerThread per thread, from a shared queue (dynamic schedule).
+// Many small chunks instead of one per thread keep a thread that the OS deschedules (the machine is
+// shared with torch's and other processes' threads) from holding up the whole call: the others take its
+// remaining chunks. fn must not throw (validate before calling).
+inline constexpr size_t kChunksPerThread = 8;
+
 template <typename Fn>
 void parallel_for(size_t n, size_t min_parallel, const Fn& fn) {
   const size_t threads = static_cast<size_t>(num_threads());
@@ -24,17 +29,15 @@ void parallel_for(size_t n, size_t min_parallel, const Fn& fn) {
     if (n > 0) fn(size_t{0}, n);
     return;
   }
-  const size_t useful = std::max<size_t>(1, n / std::max<size_t>(1, min_parallel / 2));
-  const int team = static_cast<int>(std::min(threads, useful));
-#pragma omp parallel num_threads(team)
-  {
-    const size_t t = static_cast<size_t>(omp_get_thread_num());
-    const size_t nt = static_cast<size_t>(omp_get_num_threads());
-    size_t per = (n + nt - 1) / nt;
-    per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-    const size_t begin = std::min(n, t * per);
-    const size_t end = std::min(n, begin + per);
-    if (begin < end) fn(begin, end);
+  size_t chunk = std::max<size_t>(min_parallel / 2, n / (threads * kChunksPerThread));
+  chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  const size_t chunks = (n + chunk - 1) / chunk;
+  const int team = static_cast<int>(std::min(threads, chunks));
+  const long long count = static_cast<long long>(chunks);
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+  for (long long c = 0; c < count; ++c) {
+    const size_t begin = static_cast<size_t>(c) * chunk;
+    fn(begin, std::min(n, begin + chunk));
   }
 }
 
