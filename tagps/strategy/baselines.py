@@ -173,6 +173,7 @@ def random_plan(
     rng: random.Random,
     options: tuple[str, ...] = OPTIONS,
     sfb_fraction: float = 0.1,
+    decided: int | None = None,
 ) -> Plan:
     """A random general plan (random placement and option per op group), for tests and benchmarks.
 
@@ -182,14 +183,19 @@ def random_plan(
         rng: the random generator (seeded by the caller).
         options: options to draw from.
         sfb_fraction: probability that a replicated gradient uses SFB instead of the group's method.
+        decided: when given, only the first ``decided`` op groups draw their own placement and option and
+            the others copy group 0's, like the partial plans a tree search evaluates.
     """
     names = [g.name for g in sim.dgroups]
     ops = sim.graph.ops
     groups = []
     gradients: dict[str, GradientSync] = {}
     for i, g in enumerate(sim.groups):
-        placement = tuple(sorted(rng.sample(names, rng.randint(1, len(names))), key=names.index))
-        option = rng.choice(options)
+        if decided is not None and i >= max(decided, 1):
+            placement, option = groups[0].placement, groups[0].option
+        else:
+            placement = tuple(sorted(rng.sample(names, rng.randint(1, len(names))), key=names.index))
+            option = rng.choice(options)
         groups.append(OpGroupPlan(tuple(ops[k].name for k in g.ops), placement, option))
         for name in g.param_names:
             sync = SYNC_ALLOWED[option][0]

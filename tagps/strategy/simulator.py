@@ -299,7 +299,13 @@ class Simulator:
         for (a, b), nbytes in self.edges:
             self.preds[b].append((a, nbytes))
         self._time_cache: dict[tuple[int, int, float], tuple[float, float]] = {}
+        self._op_index: dict[str, int] | None = None
         self._mp_cache: dict[tuple[int, tuple[int, ...], int], list[_MPSegment]] = {}
+        self._parts_cache: dict[tuple[int, int], tuple[list[tuple[int, ...]], dict[int, int]]] = {}
+        self._inner_edges: list[list[tuple[int, int, int]]] = [[] for _ in self.groups]
+        for src, dst, nbytes in graph.edges:
+            if op_group[src] == op_group[dst]:
+                self._inner_edges[op_group[src]].append((src, dst, nbytes))
         self._ring_cache: dict[tuple[tuple[int, int], ...], tuple[float, float, tuple[int, ...]]] = {}
         self._ps_cache: dict[
             tuple[tuple[tuple[int, int], ...], int], tuple[float, tuple[int, ...], bool]
@@ -371,6 +377,11 @@ class Simulator:
         res = tuple(n + g for g in members) + tuple(2 * n + g for g in inner)
         return bmin, self.topology.inter_latency_s, res
 
+    def ring_link(self, members: dict[int, int]) -> tuple[float, float]:
+        """Slowest link (bytes/s) and per-message latency of a ring over ``{device group: devices}``."""
+        bmin, latency, _ = self._ring(members)
+        return bmin, latency
+
     def _members(self, per: dict[int, list[float]]) -> tuple[dict[int, int], int]:
         """Participating devices per device group of a replicated layout, and their total."""
         members = {g: sum(1 for b in row if b > 0) for g, row in per.items()}
@@ -392,6 +403,17 @@ class Simulator:
             hit = self._ps_cache[key] = (coef, res, bool(remote))
         return hit
 
+    def _mp_parts(self, group: int, k: int) -> tuple[list[tuple[int, ...]], dict[int, int]]:
+        """METIS split of op group ``group`` into at most ``k`` parts and each op's part (cached)."""
+        hit = self._parts_cache.get((group, k))
+        if hit is None:
+            parts = split_ops(self.graph, self.groups[group].ops, k, self.seed)
+            hit = self._parts_cache[(group, k)] = (
+                parts,
+                {op: j for j, part in enumerate(parts) for op in part},
+            )
+        return hit
+
     def _mp_layout(self, group: int, order: tuple[int, ...], batch: int) -> list[_MPSegment]:
         """Model-parallel layout of op group ``group`` over device groups ``order`` (METIS parts, cached).
 
@@ -404,9 +426,8 @@ class Simulator:
         if hit is not None:
             return hit
         devices = [(g, d) for g in order for d in range(self.dgroups[g].count)]
-        parts = split_ops(self.graph, self.groups[group].ops, len(devices), self.seed)
+        parts, part_of = self._mp_parts(group, len(devices))
         ops = self.graph.ops
-        part_of = {op: j for j, part in enumerate(parts) for op in part}
         runs: list[tuple[int, list[int]]] = []  # (device group, part indices)
         for j in range(len(parts)):
             g = devices[(group + j) % len(devices)][0]
@@ -422,9 +443,9 @@ class Simulator:
                 f, b = self.ops_time(parts[j], dtype, batch)
                 fwd, bwd = fwd + f, bwd + b
             intra = out = 0
-            for src, dst, nbytes in self.graph.edges:
-                a, b = part_of.get(src), part_of.get(dst)
-                if a in mine and b is not None and a != b:
+            for src, dst, nbytes in self._inner_edges[group]:
+                a, b = part_of[src], part_of[dst]
+                if a != b and a in mine:
                     if b in mine:
                         intra += nbytes
                     else:
@@ -441,6 +462,35 @@ class Simulator:
             segments.append(_MPSegment(g, fwd + cut, bwd + cut, out, memory))
         self._mp_cache[key] = segments
         return segments
+
+    def sfb_factors(self, param: str, dup_ops: Sequence[str] = ()) -> tuple[int, float]:
+        """Sufficient factors of ``param`` when ``dup_ops`` are duplicated (default: its owner op).
+
+        The factors are the owner's output gradient plus every tensor entering the duplicated ops from
+        outside them; the other duplicated ops are recomputed on every device.
+
+        Returns:
+            ``(factor bytes per sample, forward FLOPs per sample of the duplicated ops besides the owner)``.
+
+        Raises:
+            ValueError: an op is unknown or the owner op is not among ``dup_ops``.
+        """
+        owner = self.owner_op[param]
+        if not dup_ops:
+            dup = {owner}
+        else:
+            if self._op_index is None:
+                self._op_index = {op.name: i for i, op in enumerate(self.graph.ops)}
+            unknown = [o for o in dup_ops if o not in self._op_index]
+            if unknown:
+                raise ValueError(f"sfb_ops of {param!r}: unknown ops {unknown}")
+            dup = {self._op_index[o] for o in dup_ops}
+            if owner not in dup:
+                raise ValueError(f"sfb_ops of {param!r} must include its op {self.graph.ops[owner].name!r}")
+        ops = self.graph.ops
+        inner = sum(nbytes for src, dst, nbytes in self.graph.edges if src in dup and dst in dup)
+        factor = ops[owner].out_bytes + sum(ops[i].in_bytes for i in dup) - inner
+        return factor, sum(ops[i].fwd_flops for i in dup if i != owner)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, plan: Plan, trace: bool = False) -> SimResult:
@@ -713,10 +763,11 @@ class Simulator:
                 bmin, lat, res = self._ring(members)
                 for name in sfb:
                     op = ops[owner[name]]
-                    factor = (op.in_bytes + op.out_bytes) * fbatch
+                    per_sample, dup_flops = self.sfb_factors(name, gradients[name].sfb_ops)
+                    factor = per_sample * fbatch
                     sfb_bytes[i] += factor
                     t = add(allgather_time(factor, n, bmin, lat), res, deps, ("sfb", i, -1))
-                    wgrad = op.fwd_flops * params[name] / max(op.param_bytes, 1)
+                    wgrad = op.fwd_flops * params[name] / max(op.param_bytes, 1) + dup_flops
                     for g, row in per.items():
                         extra = dtypes[g].op_time(wgrad * (fbatch - max(row)), factor)
                         sync_done[g].append(add(extra, (g,), [t], ("sfb-compute", i, g)))
@@ -727,6 +778,7 @@ class Simulator:
         mem = [[0.0] * g.count for g in dgroups]
         apply_bytes = [0.0] * ndg
         apply_count = [0] * ndg
+        per_layout: dict[int, list[Any]] = {}
         for i, gc in enumerate(groups):
             segs = mp_segments[i]
             if segs is not None:
@@ -739,14 +791,22 @@ class Simulator:
                     apply_bytes[seg.dgroup] += pbytes
                     apply_count[seg.dgroup] += nparams
                 continue
-            static = gc.param_bytes * (2 + state) + sfb_bytes[i]
-            for g, row in layouts[i].items():
+            # Groups sharing a layout object are summed first, then spread over its devices once.
+            slot = per_layout.get(id(layouts[i]))
+            if slot is None:
+                slot = per_layout[id(layouts[i])] = [layouts[i], 0.0, 0.0, 0]
+            slot[1] += gc.param_bytes * (2 + state) + sfb_bytes[i]
+            slot[2] += gc.act_bytes
+            slot[3] += len(gc.param_names)
+            for g in layouts[i]:
+                apply_bytes[g] += gc.param_bytes
+                apply_count[g] += len(gc.param_names)
+        for layout, static, act, _ in per_layout.values():
+            for g, row in layout.items():
                 mrow = mem[g]
                 for k, b in enumerate(row):
                     if b > 0:
-                        mrow[k] += static + gc.act_bytes * b
-                apply_bytes[g] += gc.param_bytes
-                apply_count[g] += len(gc.param_names)
+                        mrow[k] += static + act * b
         for g in range(ndg):
             if apply_count[g]:
                 d = [barrier] if barrier is not None else [tasks[g] for tasks in bwd_done if g in tasks]
