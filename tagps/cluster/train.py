@@ -1,0 +1,118 @@
+"""The worker of the demo and the end-to-end benchmark: train a registry model with a plan and time it.
+
+Start one copy per device of the plan (``bpslaunch --local`` or :meth:`tagps.cluster.run.Cluster.run`)::
+
+    python -m tagps.cluster.train --model vgg-mini --plan plan.json --steps 30 --out result.json
+
+Rank ``r`` is the plan's ``r``-th device and trains on its batch share. ``--runtime tagps`` (default)
+synchronises every gradient as the plan says through ``tagps.torch.DistributedOptimizer``; ``--runtime ddp``
+runs ``torch.nn.parallel.DistributedDataParallel`` over gloo (the all-reduce baseline; even shares only).
+Inputs and targets are a fixed synthetic set per rank, so the loss falls as the model memorises it. Rank 0
+writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", ...}`` to ``--out``; the timed steps
+follow ``--warmup`` untimed ones, and each timed step ends when rank 0's optimizer step returns (training is
+synchronous, so that is the iteration time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+_OPTIMIZERS = {"sgd": (0.05, 0.0), "momentum": (0.05, 0.9)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tagps.cluster.train", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="registry model (tagps.models.MODELS)")
+    p.add_argument("--plan", required=True, help="data-parallel plan file: batch shares, sync methods")
+    p.add_argument("--runtime", choices=("tagps", "ddp"), default="tagps")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--out", help="rank 0 writes its JSON result here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the worker; return its exit status."""
+    args = _parser().parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import tagps.torch as bps
+    from tagps.models import build_model, example_inputs
+    from tagps.strategy.plan import load
+
+    plan = load(args.plan)
+    devices = plan.devices()
+    torch.set_num_threads(1)
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    if size != len(devices):
+        raise SystemExit(f"the plan has {len(devices)} devices with a batch share, the job {size} workers")
+    local_batch = plan.batch_shares[devices[rank]]
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    torch.manual_seed(1000 + rank)
+    inputs = example_inputs(args.model, local_batch)
+    with torch.no_grad():
+        out = model(*inputs)
+    targets = torch.randint(0, out.shape[-1], out.shape[:-1])
+    if plan.optimizer == "adam":
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        lr, momentum = _OPTIMIZERS[plan.optimizer]
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if args.runtime == "ddp":
+        if len(set(plan.batch_shares[d] for d in devices)) != 1:
+            raise SystemExit("--runtime ddp averages gradients evenly: give it a plan with even shares")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = bps.DistributedOptimizer(optimizer, model.named_parameters(), strategy=plan)
+    losses: list[float] = []
+    times: list[float] = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(*inputs).flatten(0, -2), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    # Global loss per step: shares-weighted mean of the local losses.
+    gathered: list[list[float] | None] = [None] * size
+    dist.all_gather_object(gathered, [local_batch * x for x in losses])
+    global_losses = [sum(g[i] for g in gathered if g) / plan.batch_size for i in range(len(losses))]
+    if rank == 0 and args.out:
+        mean = statistics.mean(times)
+        result = {
+            "model": args.model,
+            "runtime": args.runtime,
+            "devices": devices,
+            "batch_size": plan.batch_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "step_times_s": times,
+            "mean_step_s": mean,
+            "median_step_s": statistics.median(times),
+            "samples_per_s": plan.batch_size / mean,
+            "losses": global_losses,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    bps.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
