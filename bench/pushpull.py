@@ -131,7 +131,10 @@ class Bench:
         for mode, servers in (("ps", 1), ("gloo", 0)):
             argv = self.worker_argv(mode, f"{tmp}/loop-{mode}", SIZES, iters)
             env = {**self.env, "GLOO_SOCKET_IFNAME": "lo"}
-            self.record(["bpslaunch", "--local", "2", "--servers", str(servers), "--", *argv])
+            self.record(
+                ["bpslaunch", "--local", "2", "--servers", str(servers), "--", *argv],
+                {"GLOO_SOCKET_IFNAME": "lo"},
+            )
             times[mode] = self.job(local_job(argv, 2, servers, 1, env), f"{tmp}/loop-{mode}", 2)
             if mode == "ps":
                 rates += self.zmq_loopback()
@@ -176,7 +179,11 @@ class Bench:
     def _in_netns(self, net: Network, node: str, spec: ProcessSpec, label: str, service: bool) -> ProcessSpec:
         self.record(
             net.exec_argv(node, spec.argv),
-            {k: spec.env[k] for k in sorted(spec.env) if k.startswith(("DMLC_", "BYTEPS_", "TAGPS_DIST"))},
+            {
+                k: spec.env[k]
+                for k in sorted(spec.env)
+                if k.startswith(("DMLC_", "BYTEPS_", "TAGPS_DIST", "GLOO_"))
+            },
         )
         return dataclasses.replace(
             spec, label=label, argv=tuple(net.exec_argv(node, spec.argv)), service=service
