@@ -250,7 +250,8 @@ class Simulator:
         graph: the model's op graph.
         grouping: its op groups (the plan's ``groups`` must list the same ops in the same order).
         topology: the device topology plans are made for.
-        device_types: optional calibrated device types by name, overriding the table's.
+        device_types: optional calibrated device types, keyed by device-group name or by device-type name
+            (a group's own entry wins), overriding the table's.
         seed: METIS seed for model-parallel splits.
     """
 
@@ -266,7 +267,7 @@ class Simulator:
         overrides = device_types or {}
         self.dgroups = topology.groups
         self.dindex = {g.name: i for i, g in enumerate(self.dgroups)}
-        self.dtypes = [overrides.get(g.device, g.device_type) for g in self.dgroups]
+        self.dtypes = [overrides.get(g.name, overrides.get(g.device, g.device_type)) for g in self.dgroups]
         n = len(self.dgroups)
         self.bw = [[topology.bandwidth(a.name, b.name) for b in self.dgroups] for a in self.dgroups]
         # Resources: compute stream g, NIC g (n + g), bus g (2n + g).
