@@ -27,11 +27,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tagps import kernels
 from tagps.config import PSConfig, ps_config
 from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
 from tagps.ps.protocol import (
-    FLAG_SERVER_OPTIMIZER,
+    FLAG_AVERAGE,
     MAX_CHUNKS,
     Op,
     ProtocolError,
@@ -235,8 +234,8 @@ class PSClient:
         Args:
             name: a declared tensor.
             buffer: C-contiguous, writable array of the declared dtype and size.
-            average: divide the sum by the number of workers (ignored when the servers run an optimizer:
-                then the result is the updated weights).
+            average: have the servers divide the sum by the number of workers (ignored in async mode and
+                with a server-side optimizer, where the result is the stored weights).
             priority: lower values are sent first (default 0).
 
         Returns:
@@ -487,21 +486,18 @@ class PSClient:
                 continue
             view = handle.buffer[chunk.start : chunk.stop]
             code = dtype_code(view.dtype)
-            sock = self._servers[chunk.server]
-            sock.send_multipart(
-                [
-                    pack_header(
-                        Op.PUSH,
-                        sender=self.node_id,
-                        key=chunk.key,
-                        round=chunk.round,
-                        dtype=code,
-                        nbytes=view.nbytes,
-                    ),
-                    view,
-                ],
-                copy=False,
+            flags = FLAG_AVERAGE if handle.average else 0
+            push = pack_header(
+                Op.PUSH,
+                sender=self.node_id,
+                key=chunk.key,
+                round=chunk.round,
+                dtype=code,
+                nbytes=view.nbytes,
+                flags=flags,
             )
+            sock = self._servers[chunk.server]
+            sock.send_multipart([push, view], copy=False)
             sock.send(pack_header(Op.PULL, sender=self.node_id, key=chunk.key, round=chunk.round, dtype=code))
             self._in_flight[chunk.key] = (handle, chunk)
             self._unacked += 1
@@ -536,8 +532,6 @@ class PSClient:
         if len(frames) != 2 or header.round != chunk.round or len(frames[1].buffer) != view.nbytes:
             raise JobFailed(f"malformed PULL_REPLY for key {header.key} round {header.round}")
         np.copyto(view, np.frombuffer(frames[1].buffer, view.dtype))
-        if handle.average and not header.flags & FLAG_SERVER_OPTIMIZER and self.num_workers > 1:
-            kernels.scale(view, 1.0 / self.num_workers)
         chunk.round += 1
         handle.remaining -= 1
         if handle.remaining == 0:

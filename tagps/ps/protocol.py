@@ -62,7 +62,9 @@ MAX_JSON_BYTES = 1 << 20
 FLAG_SERVER_OPTIMIZER = 1
 #: INIT_ACK flag: the server runs in asynchronous mode.
 FLAG_ASYNC = 2
-_FLAGS_MASK = FLAG_SERVER_OPTIMIZER | FLAG_ASYNC
+#: PUSH flag: the worker wants the mean (the server divides the round's sum by the number of workers).
+FLAG_AVERAGE = 4
+_FLAGS_MASK = FLAG_SERVER_OPTIMIZER | FLAG_ASYNC | FLAG_AVERAGE
 
 SCHEDULER_NODE_ID = 1
 

@@ -37,6 +37,7 @@ from tagps.ps.node import JobFailed, SchedulerLink
 from tagps.ps.optimizer import OptimizerState, ServerOptimizer
 from tagps.ps.protocol import (
     FLAG_ASYNC,
+    FLAG_AVERAGE,
     FLAG_SERVER_OPTIMIZER,
     DType,
     Op,
@@ -66,7 +67,8 @@ class _Key:
     engine: int
     num_workers: int
     value: np.ndarray | None = None
-    grad: np.ndarray | None = None
+    result: Any = None  # sync mode: what pulls of the last completed round get (a Frame or an array)
+    average: bool = False  # sync mode: the pushes of the current round ask for the mean
     opt: OptimizerState | None = None
     restored: bool = False
     ready: bool = False
@@ -277,7 +279,7 @@ class SummationServer:
                     if header.op == Op.INIT:
                         self._init(out, self.keys[header.key], identity, worker, payload)
                     elif header.op == Op.PUSH:
-                        self._push(out, self.keys[header.key], identity, worker, header.round, payload)
+                        self._push(out, self.keys[header.key], identity, worker, header, payload)
                     else:
                         self._pull(out, self.keys[header.key], identity, worker, header.round)
                 except _Reject as exc:
@@ -299,15 +301,14 @@ class SummationServer:
             return
         dtype = numpy_dtype(st.dtype)
         if not st.restored:
-            st.value = np.zeros(st.nbytes // dtype.itemsize, dtype)
-            first = next((st.inits[w] for w in sorted(st.inits) if st.inits[w] is not None), None)
-            if first is not None:
-                np.copyto(st.value, np.frombuffer(first.buffer, dtype))
-            if self.optimizer is not None:
-                st.opt = self.optimizer.new_state(st.value.size)
+            if self._keeps_store():
+                st.value = np.zeros(st.nbytes // dtype.itemsize, dtype)
+                first = next((st.inits[w] for w in sorted(st.inits) if st.inits[w] is not None), None)
+                if first is not None:
+                    np.copyto(st.value, np.frombuffer(first.buffer, dtype))
+                if self.optimizer is not None:
+                    st.opt = self.optimizer.new_state(st.value.size)
             st.counts = np.zeros(st.num_workers, np.int64)
-        if self.optimizer is not None and not self.config.enable_async:
-            st.grad = np.empty_like(st.value)
         st.pushed = bytearray(st.num_workers)
         st.inits.clear()
         st.ready = True
@@ -319,10 +320,15 @@ class SummationServer:
             out.send_multipart([ident, head])
         st.init_waiters.clear()
 
+    def _keeps_store(self) -> bool:
+        """Async mode and server optimizers keep the weights; sync summation keeps only the last sum."""
+        return self.config.enable_async or self.optimizer is not None
+
     def _push(
-        self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, round: int, payload: Any
+        self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, header: Any, payload: Any
     ) -> None:
-        if not st.ready or st.value is None or st.counts is None:
+        round, average = header.round, bool(header.flags & FLAG_AVERAGE)
+        if not st.ready or st.counts is None:
             raise _Reject(f"PUSH of key {st.key} before every worker declared it")
         if self.config.enable_async:
             if round != st.counts[worker]:
@@ -333,11 +339,13 @@ class SummationServer:
             raise _Reject(f"PUSH of key {st.key} for round {round} while the key is at round {st.round}")
         elif st.pushed[worker]:
             raise _Reject(f"worker {worker} pushed key {st.key} twice in round {round}")
+        elif st.frames and average != st.average:
+            raise _Reject(f"workers disagree on average= for key {st.key} round {round}")
         # The ack returns the worker's credit at once, whatever the other workers do (no window deadlock).
         head = pack_header(Op.PUSH_ACK, sender=self.node_id, key=st.key, round=round, dtype=st.dtype)
         out.send_multipart([identity, head])
-        dtype = st.value.dtype
-        if self.config.enable_async:
+        dtype = numpy_dtype(st.dtype)
+        if self.config.enable_async and st.value is not None:
             grad = np.frombuffer(payload.buffer, dtype)
             if self.optimizer is not None and st.opt is not None:
                 self.optimizer.step(st.value, grad, st.opt)
@@ -347,15 +355,21 @@ class SummationServer:
             self._answer_ready_pulls(out, st)
             return
         st.pushed[worker] = 1
+        st.average = average
         st.frames.append(payload)
         if len(st.frames) < st.num_workers:
             return
-        target = st.grad if st.grad is not None else st.value
-        sources = [np.frombuffer(frame.buffer, dtype) for frame in st.frames]
-        np.copyto(target, sources[0])
-        kernels.sum_into(target, *sources[1:])
-        if self.optimizer is not None and st.opt is not None:
-            self.optimizer.step(st.value, target, st.opt)
+        # Sum in place into the first received frame (zmq's own buffer): one pass, no extra copy, and
+        # the frame itself is then sent zero-copy to every puller.
+        total, *others = [np.frombuffer(frame.buffer, dtype) for frame in st.frames]
+        kernels.sum_into(total, *others)
+        if self.optimizer is not None and st.opt is not None and st.value is not None:
+            self.optimizer.step(st.value, total, st.opt)
+            st.result = st.value
+        else:
+            if st.average and st.num_workers > 1:
+                kernels.scale(total, 1.0 / st.num_workers)
+            st.result = st.frames[0]
         st.frames.clear()
         st.pushed = bytearray(st.num_workers)
         st.round += 1
@@ -403,7 +417,8 @@ class SummationServer:
             nbytes=st.nbytes,
             flags=self.flags,
         )
-        out.send_multipart([identity, head, st.value], copy=copy)
+        payload = st.value if self.config.enable_async else st.result
+        out.send_multipart([identity, head, payload], copy=copy)
 
     def _reply_error(self, sock: zmq.Socket, identity: bytes, header: Any, exc: Exception) -> None:
         key, round = (header.key, header.round) if header is not None else (0, 0)
@@ -440,7 +455,7 @@ class SummationServer:
         }
         arrays: dict[str, np.ndarray] = {}
         for st in self.keys.values():
-            if st.value is None or st.counts is None:
+            if st.counts is None:
                 continue
             meta["keys"].append(
                 {
@@ -452,7 +467,8 @@ class SummationServer:
                     "counts": st.counts.tolist(),
                 }
             )
-            arrays[f"value_{st.key}"] = st.value
+            if st.value is not None:
+                arrays[f"value_{st.key}"] = st.value
             for name, buf in st.opt.buffers.items() if st.opt else ():
                 arrays[f"state_{st.key}_{name}"] = buf
         path = Path(path)
@@ -482,7 +498,8 @@ class SummationServer:
                     engine = min(range(len(self._loads)), key=self._loads.__getitem__)
                     self._loads[engine] += int(entry["nbytes"])
                     st = _Key(key, int(entry["dtype"]), int(entry["nbytes"]), engine, self.config.num_workers)
-                    st.value = np.array(data[f"value_{key}"])
+                    if self._keeps_store():
+                        st.value = np.array(data[f"value_{key}"])
                     st.round = int(entry["round"])
                     st.counts = np.array(entry["counts"], np.int64)
                     if st.counts.size != self.config.num_workers:
