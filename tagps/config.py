@@ -343,9 +343,18 @@ class PSConfig:
     secret: str | None = field(default=None, repr=False)
 
 
-def ps_config(env: Mapping[str, str] = os.environ) -> PSConfig:
-    """Read and cross-check the parameter-server variables; raise :class:`ConfigError` naming a bad one."""
-    role = _read(env, "DMLC_ROLE", _choice("worker", "server", "scheduler"), required=True)
+def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> PSConfig:
+    """Read and cross-check the parameter-server variables; raise :class:`ConfigError` naming a bad one.
+
+    Args:
+        env: the environment to read.
+        role: the role of the calling program (``python -m tagps.server`` passes ``"server"``):
+            ``DMLC_ROLE`` may then be unset, and must match when set.
+    """
+    declared = _read(env, "DMLC_ROLE", _choice("worker", "server", "scheduler"), role, required=role is None)
+    if role is not None and declared != role:
+        raise ConfigError(f"DMLC_ROLE={declared} is malformed: this program runs the {role} role")
+    role = declared
     num_workers = _read(env, "DMLC_NUM_WORKER", _int(1), required=True)
     num_servers = _read(env, "DMLC_NUM_SERVER", _int(1), required=True)
     worker_id = _read(env, "DMLC_WORKER_ID", _int(0), 0, required=role == "worker" and num_workers > 1)
