@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from tagps.config import ConfigError, ps_config
@@ -15,9 +14,7 @@ __all__ = ["main"]
 def main() -> int:
     """Run the scheduler until the job finishes; return the exit status (0 done, 1 failed, 2 bad config)."""
     try:
-        config = ps_config({**os.environ, "DMLC_ROLE": os.environ.get("DMLC_ROLE") or "scheduler"})
-        if config.role != "scheduler":
-            raise ConfigError(f"DMLC_ROLE={config.role} but this is tagps.scheduler")
+        config = ps_config(role="scheduler")
     except ConfigError as exc:
         print(f"tagps.scheduler: {exc}", file=sys.stderr)
         return 2

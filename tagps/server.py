@@ -8,7 +8,6 @@ Flags:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from tagps.config import ConfigError, ps_config, server_optimizer_config
@@ -27,9 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restore", metavar="PATH", help="start from this checkpoint")
     args = parser.parse_args(argv)
     try:
-        config = ps_config({**os.environ, "DMLC_ROLE": os.environ.get("DMLC_ROLE") or "server"})
-        if config.role != "server":
-            raise ConfigError(f"DMLC_ROLE={config.role} but this is tagps.server")
+        config = ps_config(role="server")
         optimizer = server_optimizer_config()
     except ConfigError as exc:
         print(f"tagps.server: {exc}", file=sys.stderr)

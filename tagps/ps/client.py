@@ -19,9 +19,12 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,6 +98,7 @@ class _Tensor:
     index: int = -1
     chunks: list[_Chunk] = field(default_factory=list)
     active: Handle | None = None
+    calls: int = 0  # push_pull calls so far: the tensor's step for BYTEPS_TRACE_*
 
 
 class Handle:
@@ -103,7 +107,18 @@ class Handle:
     It keeps the buffer alive until the operation completes.
     """
 
-    __slots__ = ("_client", "_done", "average", "buffer", "error", "name", "priority", "remaining")
+    __slots__ = (
+        "_client",
+        "_done",
+        "average",
+        "buffer",
+        "error",
+        "name",
+        "priority",
+        "remaining",
+        "started",
+        "step",
+    )
 
     def __init__(self, client: PSClient, name: str, buffer: np.ndarray, average: bool, priority: int) -> None:
         self._client = client
@@ -112,6 +127,8 @@ class Handle:
         self.average = average
         self.priority = priority
         self.remaining = 0
+        self.started = time.perf_counter()
+        self.step = 0
         self.error: str | None = None
         self._done = threading.Event()
 
@@ -169,6 +186,8 @@ class PSClient:
         self._shutdown_event: threading.Event | None = None
         self._fatal: str | None = None
         self._closed = False
+        self._epoch = time.perf_counter()
+        self._trace: list[dict[str, Any]] | None = [] if config.trace_on else None
         self._thread = threading.Thread(target=self._io_loop, name="tagps-ps-client", daemon=True)
         self._thread.start()
 
@@ -266,6 +285,8 @@ class PSClient:
             raise ValueError(f"the previous push_pull of {name!r} has not completed; wait() for it first")
         handle = Handle(self, name, buffer.reshape(-1), average, int(priority))
         handle.remaining = len(tensor.chunks)
+        handle.step = tensor.calls
+        tensor.calls += 1
         tensor.active = handle
         if not tensor.chunks:
             handle._done.set()
@@ -316,6 +337,7 @@ class PSClient:
             self._submit(("stop",))
             self._thread.join()
             self._teardown()
+            self._write_trace()
 
     def __enter__(self) -> PSClient:
         return self
@@ -536,6 +558,21 @@ class PSClient:
         handle.remaining -= 1
         if handle.remaining == 0:
             handle._done.set()
+            if (
+                self._trace is not None
+                and self.config.trace_start_step <= handle.step <= self.config.trace_end_step
+            ):
+                self._trace.append(
+                    {
+                        "name": handle.name,
+                        "ph": "X",
+                        "pid": self.worker_id,
+                        "tid": 0,
+                        "ts": (handle.started - self._epoch) * 1e6,
+                        "dur": (time.perf_counter() - handle.started) * 1e6,
+                        "args": {"step": handle.step, "bytes": handle.buffer.nbytes},
+                    }
+                )
 
     def _on_init_ack(self, rank: int, header: Any) -> None:
         pending = self._inits.pop(header.key, None)
@@ -585,6 +622,15 @@ class PSClient:
                 if isinstance(item, Handle):
                     item.error = reason
                     item._done.set()
+
+    def _write_trace(self) -> None:
+        """Write the push_pull timeline (Chrome trace format) to BYTEPS_TRACE_DIR/<worker_id>/comm.json."""
+        if self._trace is None:
+            return
+        path = Path(self.config.trace_dir) / str(self.worker_id) / "comm.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": self._trace, "displayTimeUnit": "ms"}))
+        log.info("push_pull trace of %d events written to %s", len(self._trace), path)
 
     def _teardown(self) -> None:
         self._security.close()

@@ -90,7 +90,7 @@ class PSJob:
             "BYTEPS_LOG_LEVEL": "WARNING",
             **(env or {}),
         }
-        self.server_args = server_args or [[] for _ in range(num_servers)]
+        self.server_args = server_args if server_args is not None else [[] for _ in range(num_servers)]
         self.start_scheduler = start_scheduler
         self.scheduler: subprocess.Popen[str] | None = None
         self.servers: list[subprocess.Popen[str]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -66,12 +67,43 @@ print("sums ok")
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hash_fn", ["djb2", "balanced"])
-def test_sums_many_keys_sizes_dtypes(ps_job, hash_fn: str) -> None:
-    env = {"BYTEPS_PARTITION_BYTES": "65536", "BYTEPS_KEY_HASH_FN": hash_fn, "BYTEPS_SCHEDULING_CREDIT": "4"}
+def test_sums_many_keys_sizes_dtypes(ps_job, hash_fn: str, tmp_path) -> None:
+    env = {
+        "BYTEPS_PARTITION_BYTES": "65536",
+        "BYTEPS_KEY_HASH_FN": hash_fn,
+        "BYTEPS_SCHEDULING_CREDIT": "4",
+        "BYTEPS_TRACE_ON": "1",
+        "BYTEPS_TRACE_DIR": str(tmp_path),
+        "BYTEPS_TRACE_START_STEP": "1",
+        "BYTEPS_TRACE_END_STEP": "1",
+    }
     with ps_job(num_workers=2, num_servers=2, env=env) as job:
         for result in job.run_workers(SUMS, timeout=90):
             assert "sums ok" in result.check().stdout
         assert job.wait_infrastructure() == {"scheduler": 0, "server0": 0, "server1": 0}
+    for worker in (0, 1):
+        events = json.loads((tmp_path / str(worker) / "comm.json").read_text())["traceEvents"]
+        # Step 1 of every non-empty tensor (6 dtypes x 4 non-zero sizes), nothing else.
+        assert len(events) == 24 and {e["args"]["step"] for e in events} == {1}
+        assert all(e["dur"] > 0 and e["pid"] == worker for e in events)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("module", "env", "variable"),
+    [
+        ("tagps.server", {"DMLC_ROLE": "worker"}, "DMLC_ROLE"),
+        ("tagps.scheduler", {"DMLC_NUM_WORKER": "two"}, "DMLC_NUM_WORKER"),
+        ("tagps.server", {"TAGPS_SERVER_OPTIMIZER": "lion"}, "TAGPS_SERVER_OPTIMIZER"),
+    ],
+)
+def test_entry_points_exit_2_naming_a_bad_variable(
+    ps_job, module: str, env: dict[str, str], variable: str
+) -> None:
+    with ps_job(num_workers=1, num_servers=1, start_scheduler=False, server_args=[]) as job:
+        proc = job.spawn([sys.executable, "-m", module], env)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and variable in err, err
 
 
 ASYNC = (
