@@ -1,0 +1,486 @@
+"""Monte-Carlo tree search over TAG strategies, guided by a prior (the heterogeneous GNN or uniform).
+
+The tree decides one op group per level, heaviest group first (forward + backward time on the fastest
+device type at the full batch). An action is ``(non-empty subset of device groups, option)`` with option
+∈ {allreduce, ps, mp}; ``ps`` is offered only for a single device group (its devices reduce through a
+server on that machine). A node's partial plan gives every undecided group the action of the first decided
+group, so every node below the root is a complete plan the simulator can cost.
+
+Selection is PUCT:
+
+.. math::
+    a^* = \\arg\\max_a\\; Q(s, a) + c\\,P(s, a)\\,\\frac{\\sqrt{N(s)}}{1 + n(s, a)}
+
+with ``Q`` the mean reward of the edge (the node's own reward before its first visit), ``P`` the prior,
+``N`` the visits of the node and ``n`` those of the edge. A new node is valued by simulating its partial plan:
+
+.. math::
+    r = \\frac{t_{baseline}}{t} - 1 \\quad(\\text{feasible}), \\qquad r = -1 \\quad(\\text{OOM})
+
+where the baseline is DP-NCCL over all devices, or model parallelism over all devices when DP-NCCL is
+out of memory. While every plan tried so far is out of memory, selection only considers ``mp`` actions and
+prefers those over more devices, moving towards more model parallelism until a plan fits.
+
+The budget is a number of iterations and/or seconds; with an iteration budget the search is reproducible
+for a given seed (ties are broken by a seeded generator). The best feasible plan seen is kept; at the end
+the SFB solver (:mod:`tagps.strategy.sfb`) decides per all-reduced gradient whether sufficient-factor
+broadcasting is cheaper, and tensor fusion is kept if the simulator says it helps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+from tagps.strategy.baselines import HOROVOD_FUSION_BYTES, dp_nccl
+from tagps.strategy.plan import CommSettings, GradientSync, OpGroupPlan, Plan, PlanError, Prediction
+from tagps.strategy.simulator import SimResult, Simulator, ring_allreduce_time
+
+__all__ = [
+    "SEARCH_OPTIONS",
+    "Action",
+    "NodeSample",
+    "PriorModel",
+    "SearchConfig",
+    "SearchContext",
+    "SearchResult",
+    "candidate_actions",
+    "search",
+]
+
+SEARCH_OPTIONS = ("allreduce", "ps", "mp")
+MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decision for an op group.
+
+    Args:
+        devices: indices of the device groups (into ``topology.groups``), sorted, non-empty.
+        option: ``allreduce``, ``ps`` or ``mp``.
+    """
+
+    devices: tuple[int, ...]
+    option: str
+
+
+def _subsets(sim: Simulator) -> list[tuple[int, ...]]:
+    """Candidate device-group subsets: all of them for small topologies, a structured family otherwise."""
+    n = len(sim.dgroups)
+    if n <= MAX_ENUMERATED_GROUPS:
+        return [tuple(i for i in range(n) if mask >> i & 1) for mask in range(1, 1 << n)]
+    speed = [g.count * sim.dtypes[i].peak_flops for i, g in enumerate(sim.dgroups)]
+    by_speed = sorted(range(n), key=lambda i: (-speed[i], i))
+    family = {(i,) for i in range(n)}
+    family |= {tuple(sorted(by_speed[:k])) for k in range(2, n + 1)}
+    for dev in {g.device for g in sim.dgroups}:
+        family.add(tuple(i for i, g in enumerate(sim.dgroups) if g.device == dev))
+    return sorted(family, key=lambda s: (len(s), s))
+
+
+def candidate_actions(sim: Simulator) -> list[Action]:
+    """Every action the search considers on ``sim``'s topology (a stable order: subsets, then options)."""
+    actions = []
+    for subset in _subsets(sim):
+        for option in SEARCH_OPTIONS:
+            if option == "ps" and len(subset) != 1:
+                continue
+            actions.append(Action(subset, option))
+    return actions
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Hyperparameters of :func:`search`.
+
+    Args:
+        iterations: stop after this many iterations (None: no limit; then ``seconds`` must be set).
+        seconds: stop after this many seconds of wall time (None: no limit).
+        c_puct: exploration constant ``c`` of PUCT (default 1.5).
+        seed: seed of the tie-breaking generator.
+        data_parallel: only plans the first runtime executes: every group on the root's device groups,
+            replicated (allreduce/ps); the plan's kind is ``data-parallel``.
+        sfb: run the SFB solver on the best plan.
+        optimizer: the training optimizer the plans assume (``sgd``, ``momentum``, ``adam``).
+    """
+
+    iterations: int | None = 1000
+    seconds: float | None = None
+    c_puct: float = 1.5
+    seed: int = 0
+    data_parallel: bool = False
+    sfb: bool = True
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        if self.iterations is None and self.seconds is None:
+            raise ValueError("a search needs a budget: iterations, seconds or both")
+        if self.iterations is not None and (
+            isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 1
+        ):
+            raise ValueError(f"iterations must be an integer >= 1, got {self.iterations!r}")
+        if self.seconds is not None and not self.seconds > 0:
+            raise ValueError(f"seconds must be > 0, got {self.seconds!r}")
+        if not self.c_puct > 0:
+            raise ValueError(f"c_puct must be > 0, got {self.c_puct!r}")
+
+
+@dataclass
+class SearchContext:
+    """What a prior model may look at: the simulator, the batch, the group order and the actions."""
+
+    sim: Simulator
+    batch: int
+    order: tuple[int, ...]
+    actions: list[Action]
+    shares_weight: list[float]
+
+
+class PriorModel(Protocol):
+    """Scores candidate actions of the next op group (the GNN implements this)."""
+
+    def priors(
+        self, ctx: SearchContext, decided: Sequence[Action], result: SimResult | None, legal: np.ndarray
+    ) -> np.ndarray:
+        """Return a probability per legal action (``legal`` indexes ``ctx.actions``).
+
+        Args:
+            ctx: the search context.
+            decided: actions of the first ``len(decided)`` groups of ``ctx.order``.
+            result: the simulation of the partial plan of ``decided`` (None at the root).
+            legal: indices into ``ctx.actions`` that may be taken.
+        """
+        ...
+
+
+@dataclass
+class _Node:
+    decided: tuple[int, ...]  # action indices of the groups decided so far
+    legal: np.ndarray
+    prior: np.ndarray
+    value: float
+    result: SimResult | None
+    visits: np.ndarray = field(init=False)
+    total: np.ndarray = field(init=False)
+    children: dict[int, _Node] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.visits = np.zeros(len(self.legal), dtype=np.int64)
+        self.total = np.zeros(len(self.legal), dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class NodeSample:
+    """A searched node for AlphaZero-style training: the state and the visit distribution of its edges."""
+
+    decided: tuple[Action, ...]
+    result: SimResult | None
+    legal: np.ndarray
+    visits: np.ndarray
+
+
+@dataclass
+class SearchResult:
+    """Outcome of :func:`search`.
+
+    Args:
+        plan: the best plan found (with its prediction), or None when no feasible plan was found.
+        time_s: its simulated iteration time.
+        baseline: name of the baseline (``dp-nccl``, or ``mp`` when DP-NCCL is out of memory).
+        baseline_time_s: the baseline's simulated iteration time.
+        iterations: iterations run.
+        evaluations: simulations run.
+        seconds: wall time of the search.
+        iters_to_beat_baseline: first iteration whose best plan was faster than the baseline (None: never).
+        history: ``(iteration, best time so far)`` whenever the best improved.
+        samples: searched nodes with their visit counts (for training), when requested.
+    """
+
+    plan: Plan | None
+    time_s: float
+    baseline: str
+    baseline_time_s: float
+    iterations: int
+    evaluations: int
+    seconds: float
+    iters_to_beat_baseline: int | None
+    history: list[tuple[int, float]]
+    samples: list[NodeSample] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        """Baseline time over the best plan's time (0 when there is no plan)."""
+        return self.baseline_time_s / self.time_s if self.plan is not None and self.time_s > 0 else 0.0
+
+
+def _group_order(sim: Simulator, batch: int) -> tuple[int, ...]:
+    """Op groups heaviest first.
+
+    A group's weight is its forward + backward time on the fastest device type at the full batch plus
+    the ring all-reduce of its parameters over every device at the topology's slowest bandwidth.
+    """
+    fastest = max(range(len(sim.dgroups)), key=lambda g: (sim.dtypes[g].peak_flops, -g))
+    n = sim.topology.num_devices
+    slowest = min(min(row) for row in sim.bw)
+    latency = sim.topology.inter_latency_s
+    weight = [
+        sum(sim.group_time(i, fastest, float(batch)))
+        + ring_allreduce_time(g.param_bytes, n, slowest, latency, len(g.param_names))
+        for i, g in enumerate(sim.groups)
+    ]
+    return tuple(sorted(range(len(sim.groups)), key=lambda i: (-weight[i], i)))
+
+
+def _speed_weights(sim: Simulator, batch: int) -> list[float]:
+    """Relative speed of one device of each device group (inverse of its whole-model compute time)."""
+    per_device = max(1.0, batch / sim.topology.num_devices)
+    weights = []
+    for g in range(len(sim.dgroups)):
+        t = sum(sum(sim.group_time(i, g, per_device)) for i in range(len(sim.groups)))
+        weights.append(1.0 / t if t > 0 else 1.0)
+    return weights
+
+
+def _shares(sim: Simulator, batch: int, used: Sequence[int], weights: Sequence[float]) -> dict[str, int]:
+    """Batch shares over the devices of ``used`` device groups, proportional to speed (largest remainder)."""
+    devices = [(f"{sim.dgroups[g].name}:{k}", weights[g]) for g in used for k in range(sim.dgroups[g].count)]
+    floor = 1 if batch >= len(devices) else 0
+    rest = batch - floor * len(devices)
+    total = sum(w for _, w in devices)
+    exact = [rest * w / total for _, w in devices]
+    counts = [floor + int(x) for x in exact]
+    left = batch - sum(counts)
+    for k in sorted(range(len(devices)), key=lambda k: (-(exact[k] - int(exact[k])), k))[:left]:
+        counts[k] += 1
+    shares = {d: 0 for d in sim.topology.devices()}
+    shares.update({d: c for (d, _), c in zip(devices, counts, strict=True)})
+    return shares
+
+
+class _Search:
+    """One tree search (mutable state of :func:`search`)."""
+
+    def __init__(
+        self, sim: Simulator, batch: int, config: SearchConfig, model: PriorModel | None, keep_samples: bool
+    ) -> None:
+        self.sim, self.batch, self.config, self.model = sim, batch, config, model
+        self.keep_samples = keep_samples
+        self.rng = random.Random(config.seed)
+        self.actions = candidate_actions(sim)
+        self.order = _group_order(sim, batch)
+        self.ctx = SearchContext(sim, batch, self.order, self.actions, _speed_weights(sim, batch))
+        self.ops = [tuple(sim.graph.ops[k].name for k in g.ops) for g in sim.groups]
+        self.mp_size = np.array([len(a.devices) if a.option == "mp" else 0 for a in self.actions], float)
+        self.evaluations = 0
+        self.best: tuple[float, Plan, SimResult] | None = None
+        base = dp_nccl(sim, batch, config.optimizer)
+        base_result = sim.evaluate(base)
+        self.baseline = "dp-nccl"
+        if not base_result.feasible:
+            everything = tuple(range(len(sim.dgroups)))
+            base = self.plan([Action(everything, "mp")])
+            base_result = sim.evaluate(base)
+            self.baseline = "mp"
+        self.baseline_time = base_result.iteration_time
+        self.cache: dict[tuple[int, ...], tuple[Plan | None, SimResult | None]] = {}
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, decided: Sequence[Action], comm: CommSettings | None = None) -> Plan:
+        """The partial plan of ``decided`` (undecided groups follow the first decided action)."""
+        sim = self.sim
+        per_group = [decided[0]] * len(sim.groups)
+        for level, action in enumerate(decided):
+            per_group[self.order[level]] = action
+        names = [g.name for g in sim.dgroups]
+        groups = []
+        gradients: dict[str, GradientSync] = {}
+        replicated: set[int] = set()
+        for i, action in enumerate(per_group):
+            groups.append(OpGroupPlan(self.ops[i], tuple(names[g] for g in action.devices), action.option))
+            sync = "none" if action.option == "mp" else action.option
+            if action.option != "mp":
+                replicated.update(action.devices)
+            for name in sim.groups[i].param_names:
+                gradients[name] = GradientSync(i, sync)
+        used = sorted(replicated) if replicated else list(range(len(sim.dgroups)))
+        kind = "data-parallel" if self.config.data_parallel else "general"
+        return Plan(
+            sim.topology,
+            sim.graph.name,
+            self.batch,
+            tuple(groups),
+            gradients,
+            _shares(sim, self.batch, used, self.ctx.shares_weight),
+            kind=kind,
+            optimizer=self.config.optimizer,
+            comm=comm or CommSettings(overlap=True),
+        ).validate()
+
+    def evaluate(self, decided: tuple[int, ...]) -> tuple[float, SimResult | None]:
+        """Reward and simulation of a node's partial plan; remembers the best feasible plan."""
+        try:
+            plan = self.plan([self.actions[a] for a in decided])
+        except PlanError:  # e.g. a batch too small to give every replicated group a device
+            return -1.0, None
+        result = self.sim.evaluate(plan)
+        self.evaluations += 1
+        if not result.feasible:
+            return -1.0, result
+        t = result.iteration_time
+        if self.best is None or t < self.best[0]:
+            self.best = (t, plan, result)
+        return self.baseline_time / t - 1.0, result
+
+    # ------------------------------------------------------------------ tree
+    def legal(self, decided: tuple[int, ...]) -> np.ndarray:
+        """Indices of the actions allowed at the level after ``decided``."""
+        if len(decided) >= len(self.order):
+            return np.zeros(0, dtype=np.int64)
+        if not self.config.data_parallel:
+            return np.arange(len(self.actions))
+        if not decided:
+            return np.array([k for k, a in enumerate(self.actions) if a.option != "mp"], dtype=np.int64)
+        root = self.actions[decided[0]].devices
+        return np.array(
+            [k for k, a in enumerate(self.actions) if a.devices == root and a.option != "mp"], dtype=np.int64
+        )
+
+    def node(self, decided: tuple[int, ...], value: float, result: SimResult | None) -> _Node:
+        legal = self.legal(decided)
+        if len(legal) == 0:
+            prior = np.zeros(0)
+        elif self.model is None:
+            prior = np.full(len(legal), 1.0 / len(legal))
+        else:
+            prior = np.asarray(
+                self.model.priors(self.ctx, [self.actions[a] for a in decided], result, legal), dtype=float
+            )
+            if prior.shape != legal.shape or not np.all(np.isfinite(prior)) or prior.min() < 0:
+                raise RuntimeError(f"prior model returned an invalid prior of shape {prior.shape}")
+            prior = prior / prior.sum()
+        return _Node(decided, legal, prior, value, result)
+
+    def select(self, node: _Node) -> int:
+        """Position (into ``node.legal``) of the PUCT choice; only mp actions while nothing has fit."""
+        n = node.visits
+        # First-play urgency: an untried edge is assumed as good as the node's own plan.
+        q = np.divide(node.total, n, out=np.full_like(node.total, node.value), where=n > 0)
+        prior = node.prior
+        score = q + self.config.c_puct * prior * math.sqrt(n.sum() + 1) / (1 + n)
+        if self.best is None:
+            mp = self.mp_size[node.legal]
+            if mp.any():
+                # Nothing fits yet: among mp actions, untried ones over more devices first.
+                score = np.where(mp > 0, mp / (1 + n) + q, -np.inf)
+        top = np.flatnonzero(score >= score.max() - 1e-12)
+        return int(top[self.rng.randrange(len(top))]) if len(top) > 1 else int(top[0])
+
+    def run(self, progress: Callable[[int, float | None], None] | None) -> SearchResult:
+        config = self.config
+        start = time.perf_counter()
+        root = self.node((), 0.0, None)
+        history: list[tuple[int, float]] = []
+        beat: int | None = None
+        it = 0
+        while True:
+            if config.iterations is not None and it >= config.iterations:
+                break
+            if config.seconds is not None and time.perf_counter() - start >= config.seconds:
+                break
+            it += 1
+            node, path = root, []
+            while True:
+                if len(node.legal) == 0:  # every group decided: the node's plan is complete
+                    value = node.value
+                    break
+                pos = self.select(node)
+                path.append((node, pos))
+                action = int(node.legal[pos])
+                child = node.children.get(action)
+                if child is None:
+                    decided = (*node.decided, action)
+                    value, result = self.evaluate(decided)
+                    node.children[action] = self.node(decided, value, result)
+                    break
+                node = child
+            for parent, pos in path:
+                parent.visits[pos] += 1
+                parent.total[pos] += value
+            if self.best is not None and (not history or self.best[0] < history[-1][1]):
+                history.append((it, self.best[0]))
+                if beat is None and self.best[0] < self.baseline_time:
+                    beat = it
+            if progress is not None:
+                progress(it, self.best[0] if self.best else None)
+        plan, t = self.finish()
+        samples = self.samples(root) if self.keep_samples else []
+        return SearchResult(
+            plan, t, self.baseline, self.baseline_time, it, self.evaluations,
+            time.perf_counter() - start, beat, history, samples,
+        )
+
+    def finish(self) -> tuple[Plan | None, float]:
+        """Polish the best plan (fusion, SFB) and attach the prediction."""
+        if self.best is None:
+            return None, math.inf
+        t, plan, result = self.best
+        sim = self.sim
+        fused = replace(plan, comm=CommSettings(overlap=True, fusion_bytes=HOROVOD_FUSION_BYTES))
+        fused_result = sim.evaluate(fused)
+        if fused_result.feasible and fused_result.iteration_time < t:
+            t, plan, result = fused_result.iteration_time, fused, fused_result
+        if self.config.sfb:
+            from tagps.strategy.sfb import apply_sfb
+
+            with_sfb = apply_sfb(sim, plan)  # the solver's choices, costed by the simulator
+            if with_sfb is not plan:
+                sfb_result = sim.evaluate(with_sfb)
+                if sfb_result.feasible and sfb_result.iteration_time < t:
+                    t, plan, result = sfb_result.iteration_time, with_sfb, sfb_result
+        predicted = Prediction(t, dict(result.peak_memory), self.baseline, self.baseline_time)
+        return replace(plan, predicted=predicted).validate(), t
+
+    def samples(self, root: _Node, min_visits: int = 8) -> list[NodeSample]:
+        """Nodes visited at least ``min_visits`` times with their edge visit counts."""
+        out: list[NodeSample] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if node.visits.sum() >= min_visits:
+                decided = tuple(self.actions[a] for a in node.decided)
+                out.append(NodeSample(decided, node.result, node.legal, node.visits.copy()))
+            stack.extend(node.children.values())
+        return out
+
+
+def search(
+    sim: Simulator,
+    batch: int,
+    config: SearchConfig | None = None,
+    model: PriorModel | None = None,
+    progress: Callable[[int, float | None], None] | None = None,
+    keep_samples: bool = False,
+) -> SearchResult:
+    """Search a strategy for ``sim``'s model and topology with MCTS.
+
+    Args:
+        sim: the simulator (graph, grouping and topology).
+        batch: global batch size (>= 1).
+        config: budget and hyperparameters (default :class:`SearchConfig`).
+        model: prior over actions (e.g. :class:`tagps.strategy.gnn.GNNPrior`); uniform when None.
+        progress: called after every iteration with ``(iteration, best time so far or None)``.
+        keep_samples: return the searched nodes' visit distributions (training data).
+
+    Returns:
+        The :class:`SearchResult`; its ``plan`` is None when no feasible plan was found.
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    return _Search(sim, batch, config or SearchConfig(), model, keep_samples).run(progress)

@@ -1,0 +1,130 @@
+"""MCTS: budgets, reproducibility, the best plan kept, OOM handling and the data-parallel restriction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tagps.strategy.baselines import dp_nccl
+from tagps.strategy.graph import Graph, extract_graph
+from tagps.strategy.grouping import group_ops
+from tagps.strategy.mcts import SearchConfig, candidate_actions, search
+from tagps.strategy.simulator import Simulator
+from tagps.strategy.topology import DeviceGroup, Topology
+
+
+def _graph(width: int, depth: int) -> Graph:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return extract_graph(nn.Sequential(*layers), (torch.randn(1, width),), f"mlp{width}x{depth}")
+
+
+def _topology(memory: int = 0) -> Topology:
+    return Topology(
+        "mcts",
+        (
+            DeviceGroup("fast", "V100-32GB", 2, 1200.0, memory),
+            DeviceGroup("slow", "1080Ti", 2, 96.0, memory),
+            DeviceGroup("mid", "P100", 1, 96.0, memory),
+        ),
+        10.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def sim() -> Simulator:
+    graph = _graph(1024, 6)
+    return Simulator(graph, group_ops(graph, 6), _topology())
+
+
+def test_candidate_actions_offer_ps_only_for_one_device_group(sim: Simulator) -> None:
+    actions = candidate_actions(sim)
+    assert len(actions) == 7 * 2 + 3  # 7 subsets x {allreduce, mp} + ps on the 3 single groups
+    assert all(len(a.devices) == 1 for a in actions if a.option == "ps")
+    assert len(set(actions)) == len(actions)
+
+
+def test_search_is_reproducible_and_keeps_the_best_plan(sim: Simulator) -> None:
+    config = SearchConfig(iterations=150, seed=3, sfb=False)
+    a = search(sim, 64, config)
+    b = search(sim, 64, config)
+    assert a.plan is not None and a.plan == b.plan and a.history == b.history
+    assert a.iterations == 150
+    # The best plan is the minimum of everything seen, and its prediction is what the simulator says.
+    assert a.time_s == min(t for _, t in a.history)
+    assert sim.evaluate(a.plan).iteration_time == pytest.approx(a.time_s)
+    assert a.plan.predicted is not None and a.plan.predicted.baseline == "dp-nccl"
+    base = sim.evaluate(dp_nccl(sim, 64)).iteration_time
+    assert a.baseline_time_s == pytest.approx(base)
+    assert a.time_s < base and a.speedup > 1.0
+    assert a.iters_to_beat_baseline is not None and a.iters_to_beat_baseline <= 150
+
+
+def test_more_iterations_never_give_a_worse_plan(sim: Simulator) -> None:
+    short = search(sim, 64, SearchConfig(iterations=20, seed=1, sfb=False))
+    long = search(sim, 64, SearchConfig(iterations=200, seed=1, sfb=False))
+    assert long.time_s <= short.time_s
+
+
+def test_seconds_budget_stops_the_search(sim: Simulator) -> None:
+    result = search(sim, 64, SearchConfig(iterations=None, seconds=0.5, sfb=False))
+    assert result.plan is not None
+    assert result.seconds < 5.0
+
+
+def test_progress_reports_every_iteration(sim: Simulator) -> None:
+    seen: list[tuple[int, float | None]] = []
+    search(sim, 64, SearchConfig(iterations=25, sfb=False), progress=lambda i, t: seen.append((i, t)))
+    assert [i for i, _ in seen] == list(range(1, 26))
+    best = [t for _, t in seen if t is not None]
+    assert best == sorted(best, reverse=True)
+
+
+def test_data_parallel_restriction_gives_runtime_plans(sim: Simulator) -> None:
+    result = search(sim, 64, SearchConfig(iterations=100, data_parallel=True, sfb=False))
+    plan = result.plan
+    assert plan is not None and plan.kind == "data-parallel"
+    placements = {g.placement for g in plan.groups}
+    assert len(placements) == 1
+    assert all(g.option in ("allreduce", "ps") for g in plan.groups)
+    used = {d.split(":")[0] for d, s in plan.batch_shares.items() if s > 0}
+    assert used == set(next(iter(placements)))
+
+
+def test_out_of_memory_moves_towards_model_parallelism() -> None:
+    graph = _graph(4096, 4)  # 4 x 64 MiB of weights: with Adam 1 GiB per replica
+    sim = Simulator(graph, group_ops(graph, 4), _topology(memory=600 << 20))
+    assert not sim.evaluate(dp_nccl(sim, 16)).feasible
+    result = search(sim, 16, SearchConfig(iterations=60, sfb=False))
+    assert result.baseline == "mp"
+    assert result.plan is not None
+    assert sim.evaluate(result.plan).feasible
+    assert any(g.option == "mp" for g in result.plan.groups)
+    assert result.history[0][0] <= 10  # the first feasible plan comes quickly
+
+
+def test_search_rejects_bad_budgets_and_batches(sim: Simulator) -> None:
+    with pytest.raises(ValueError, match="budget"):
+        SearchConfig(iterations=None, seconds=None)
+    with pytest.raises(ValueError, match="iterations"):
+        SearchConfig(iterations=0)
+    with pytest.raises(ValueError, match="seconds"):
+        SearchConfig(seconds=-1.0)
+    with pytest.raises(ValueError, match="c_puct"):
+        SearchConfig(c_puct=0.0)
+    with pytest.raises(ValueError, match="batch"):
+        search(sim, 0)
+
+
+def test_polishing_never_makes_the_plan_slower() -> None:
+    pytest.importorskip("cvxpy", reason="the SFB solver needs cvxpy")
+    graph = _graph(4096, 2)
+    topo = Topology("slow", (DeviceGroup("a", "1080Ti", 2, 96.0), DeviceGroup("b", "1080Ti", 2, 96.0)), 1.0)
+    sim = Simulator(graph, group_ops(graph, 2), topo)
+    plain = search(sim, 8, SearchConfig(iterations=40, sfb=False, data_parallel=True))
+    polished = search(sim, 8, SearchConfig(iterations=40, sfb=True, data_parallel=True))
+    assert polished.plan is not None and plain.plan is not None
+    assert polished.time_s <= plain.time_s
+    assert sim.evaluate(polished.plan).iteration_time == pytest.approx(polished.time_s)
