@@ -187,6 +187,8 @@ def random_plan(
             the others copy group 0's, like the partial plans a tree search evaluates.
     """
     names = [g.name for g in sim.dgroups]
+    shares = even_shares(sim, batch)
+    funded = [g.name for g in sim.dgroups if any(shares[d] for d in g.devices())]
     ops = sim.graph.ops
     groups = []
     gradients: dict[str, GradientSync] = {}
@@ -194,13 +196,16 @@ def random_plan(
         if decided is not None and i >= max(decided, 1):
             placement, option = groups[0].placement, groups[0].option
         else:
-            placement = tuple(sorted(rng.sample(names, rng.randint(1, len(names))), key=names.index))
+            chosen = set(rng.sample(names, rng.randint(1, len(names))))
             option = rng.choice(options)
+            if option in ("allreduce", "ps") and not chosen & set(funded):
+                chosen.add(funded[0])  # a replicated group needs a device with a batch share
+            placement = tuple(n for n in names if n in chosen)
         groups.append(OpGroupPlan(tuple(ops[k].name for k in g.ops), placement, option))
         for name in g.param_names:
             sync = SYNC_ALLOWED[option][0]
             if option in ("allreduce", "ps") and rng.random() < sfb_fraction:
                 sync = "sfb"
             gradients[name] = GradientSync(i, sync)
-    plan = Plan(sim.topology, sim.graph.name, batch, tuple(groups), gradients, even_shares(sim, batch))
+    plan = Plan(sim.topology, sim.graph.name, batch, tuple(groups), gradients, shares)
     return plan.validate()

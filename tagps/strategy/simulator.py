@@ -546,7 +546,6 @@ class Simulator:
 
         # ---------------- forward
         fwd_out: list[dict[int, int]] = []  # task that leaves group i's output on device group g
-        fwd_in: list[dict[int, int]] = []  # first forward task of group i on device group g
         exits: list[dict[int, float]] = []  # samples of group i's output available per device group
         mp_segments: list[list[_MPSegment] | None] = []
         in_records: list[list[tuple[Any, ...]]] = []
@@ -584,8 +583,8 @@ class Simulator:
                     if local > 0:
                         edge_deps.append(fwd_out[j][g])
                         records.append(("local", j, g))
-                    if need > local:
-                        sources = [h for h in have if h != g]
+                    sources = [h for h in have if h != g]
+                    if sources and need - local > 1e-9 * fbatch:  # tolerance: shares are float ratios
                         dur = (need - local) * nbytes / min(bw[h][g] for h in sources) + inter_lat
                         t = add(dur, (nic + g,), [fwd_out[j][h] for h in sources], ("transfer", i, j))
                         edge_deps.append(t)
@@ -600,7 +599,6 @@ class Simulator:
             tasks: list[int] = []
             if segs is not None:
                 out: dict[int, int] = {}
-                first: dict[int, int] = {}
                 prev: list[int] = deps[entry[0]]
                 for k, seg in enumerate(segs):
                     if k:
@@ -610,11 +608,9 @@ class Simulator:
                         prev = [add(dur, (nic + seg.dgroup,), prev, ("transfer", i, i))]
                     t = add(seg.fwd, (seg.dgroup,), prev, ("forward", i, seg.dgroup))
                     tasks.append(t)
-                    first.setdefault(seg.dgroup, t)
                     prev = [t]
                 out[segs[-1].dgroup] = tasks[-1]
                 exits.append({segs[-1].dgroup: fbatch})
-                fwd_in.append(first)
                 fwd_out.append(out)
             else:
                 out = {}
@@ -622,15 +618,12 @@ class Simulator:
                     out[g] = t = add(self.group_time(i, g, max(row))[0], (g,), deps[g], ("forward", i, g))
                     tasks.append(t)
                 exits.append({g: (fbatch if option == "duplicate" else sum(row)) for g, row in per.items()})
-                fwd_in.append(out)
                 fwd_out.append(out)
             fwd_tasks.append(tasks)
 
         # ---------------- backward (reverse order); grad_deps[j][g]: what group j's backward on g waits for
         grad_deps: list[dict[int, list[int]]] = [{} for _ in groups]
-        bwd_done: list[dict[int, int]] = [
-            {} for _ in groups
-        ]  # last backward task of group i per device group
+        bwd_done: list[dict[int, int]] = [{} for _ in groups]  # group i's last backward task per device group
         all_bwd: list[int] = []
         for i in range(len(groups) - 1, -1, -1):
             segs = mp_segments[i]
