@@ -6,10 +6,11 @@ Modes:
     zmq-sink PORT BYTES MSG raw pyzmq loopback throughput: receive BYTES in MSG-byte messages
     zmq-source PORT BYTES MSG  the sending side of ``zmq-sink``
 
-``SIZES`` is a comma list of tensor sizes in bytes. Each worker fills its tensor with distinct values
-(``(i mod 1024) * (worker + 1)``), and after every timed iteration checks the result is the exact sum, so a
-mixed-up chunk fails the run. Iteration ``i`` starts after a barrier on every worker; each worker writes its
-per-iteration seconds to ``OUT.<worker>.json`` (the first iteration is warm-up and not recorded).
+``SIZES`` is a comma list of tensor sizes in bytes, ``ITERS`` a comma list of the timed iterations of
+each. Each worker fills its tensor with distinct values (``(i mod 1024) * (worker + 1)``), and after every
+iteration checks the result is the exact sum, so a mixed-up chunk fails the run. Every iteration starts
+after a barrier on every worker; each worker writes its per-iteration seconds to ``OUT.<worker>.json``
+(the first iteration of each size is warm-up and not recorded).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _timed(step, mine: np.ndarray, expected: np.ndarray, buf: np.ndarray, barrie
     return times
 
 
-def _ps(out: str, sizes: list[int], iters: int) -> None:
+def _ps(out: str, sizes: list[int], iters: list[int]) -> None:
     from tagps.ps.client import PSClient
 
     client = PSClient.from_env()
@@ -57,7 +58,7 @@ def _ps(out: str, sizes: list[int], iters: int) -> None:
             client.declare(f"t{nbytes}", nbytes, np.float32)
         client.barrier()
         result = {}
-        for nbytes in sizes:
+        for nbytes, count in zip(sizes, iters, strict=True):
             mine, expected, buf = _inputs(nbytes, client.worker_id, client.num_workers)
             name = f"t{nbytes}"
             result[nbytes] = _timed(
@@ -66,14 +67,14 @@ def _ps(out: str, sizes: list[int], iters: int) -> None:
                 expected,
                 buf,
                 client.barrier,
-                iters,
+                count,
             )
         _write(out, client.worker_id, result)
     finally:
         client.close()
 
 
-def _gloo(out: str, sizes: list[int], iters: int) -> None:
+def _gloo(out: str, sizes: list[int], iters: list[int]) -> None:
     import datetime
 
     import torch
@@ -89,11 +90,11 @@ def _gloo(out: str, sizes: list[int], iters: int) -> None:
     )
     try:
         result = {}
-        for nbytes in sizes:
+        for nbytes, count in zip(sizes, iters, strict=True):
             mine, expected, buf = _inputs(nbytes, cfg.worker_id, cfg.num_worker)
             tensor = torch.from_numpy(buf)
             result[nbytes] = _timed(
-                lambda b, t=tensor: dist.all_reduce(t), mine, expected, buf, dist.barrier, iters
+                lambda b, t=tensor: dist.all_reduce(t), mine, expected, buf, dist.barrier, count
             )
         _write(out, cfg.worker_id, result)
     finally:
@@ -133,7 +134,13 @@ def _zmq(mode: str, port: int, total: int, message: int) -> None:
 def main(argv: list[str]) -> None:
     mode, *args = argv
     if mode in ("ps", "gloo"):
-        out, sizes, iters = args[0], [int(s) for s in args[1].split(",")], int(args[2])
+        out, sizes, iters = (
+            args[0],
+            [int(s) for s in args[1].split(",")],
+            [int(i) for i in args[2].split(",")],
+        )
+        if len(iters) != len(sizes):
+            raise SystemExit(f"{len(sizes)} sizes but {len(iters)} iteration counts")
         (_ps if mode == "ps" else _gloo)(out, sizes, iters)
     elif mode in ("zmq-sink", "zmq-source"):
         _zmq(mode, int(args[0]), int(args[1]), int(args[2]))
