@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,19 +15,29 @@ from hypothesis.extra import numpy as hnp
 
 from tagps import _core
 from tagps import kernels as K
+from tagps.config import kernel_config
 
 SIZES = [0, 1, 7, 8, 33, 1023, 1_000_003]
 MODES = ["scalar", pytest.param("avx2", marks=pytest.mark.skipif(not _core.cpu_has_avx2(), reason="no AVX2"))]
+AUTO_MODE = "avx2" if _core.cpu_has_avx2() else "scalar"
 NUMPY_DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64]
 
 
+@pytest.fixture(autouse=True)
+def _restore_kernel_settings():
+    """Leave the SIMD mode and thread count as TAGPS_SIMD / TAGPS_NUM_THREADS set them."""
+    yield
+    config = kernel_config()
+    K.set_simd_mode(config.simd)
+    K.set_num_threads(config.num_threads)
+
+
 @pytest.fixture(params=MODES)
-def simd(request: pytest.FixtureRequest):
-    """Run the test on one SIMD path, then restore the automatic choice."""
+def simd(request: pytest.FixtureRequest) -> str:
+    """Run the test on one SIMD path."""
     K.set_simd_mode(request.param)
     assert K.simd_mode() == request.param
-    yield request.param
-    K.set_simd_mode("auto")
+    return request.param
 
 
 def _random(rng: np.random.Generator, n: int, dtype: type) -> np.ndarray:
@@ -50,7 +64,6 @@ def _both_paths(fn, *arrays: np.ndarray) -> tuple[list[np.ndarray], list[np.ndar
         copies = [a.copy() for a in arrays]
         fn(*copies)
         outs.append(copies)
-    K.set_simd_mode("auto")
     return outs[0], outs[1]
 
 
@@ -129,7 +142,6 @@ def test_sum_into_threads_give_same_result() -> None:
         dst = np.zeros(1_000_003, dtype=np.float32)
         K.sum_into(dst, *srcs)
         outs.append(dst)
-    K.set_num_threads(0)
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
 
@@ -287,7 +299,7 @@ def test_simd_and_threads_settings() -> None:
     K.set_num_threads(0)
     assert K.num_threads() >= 1
     K.set_simd_mode("auto")
-    assert K.simd_mode() == ("avx2" if _core.cpu_has_avx2() else "scalar")
+    assert K.simd_mode() == AUTO_MODE
 
 
 # -------------------------------------------------------------------------------------------------- cast
@@ -362,3 +374,25 @@ def test_cast_errors() -> None:
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="dst is read-only"):
         K.cast(ro, f32)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"TAGPS_SIMD": "scalar", "TAGPS_NUM_THREADS": "1"}, "scalar 1"),
+        ({"TAGPS_SIMD": "auto", "TAGPS_NUM_THREADS": "3"}, f"{AUTO_MODE} 3"),
+    ],
+)
+def test_environment_sets_initial_mode(env: dict[str, str], expected: str) -> None:
+    code = "from tagps import kernels as K; print(K.simd_mode(), K.num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.split() == expected.split()
+
+
+def test_environment_malformed_value_names_the_variable() -> None:
+    code = "import tagps.kernels"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TAGPS_SIMD": "sse9"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "TAGPS_SIMD='sse9' is malformed" in out.stderr

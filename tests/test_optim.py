@@ -21,16 +21,23 @@ import torch
 
 from tagps import _core, optim
 from tagps import kernels as K
+from tagps.config import kernel_config
 
 MODES = ["scalar", pytest.param("avx2", marks=pytest.mark.skipif(not _core.cpu_has_avx2(), reason="no AVX2"))]
 SHAPES = [(1003,), (7,), (1,), (33, 5)]
 
 
+@pytest.fixture(autouse=True)
+def _restore_kernel_settings():
+    """Leave the SIMD mode as TAGPS_SIMD set it."""
+    yield
+    K.set_simd_mode(kernel_config().simd)
+
+
 @pytest.fixture(params=MODES)
-def simd(request: pytest.FixtureRequest):
+def simd(request: pytest.FixtureRequest) -> str:
     K.set_simd_mode(request.param)
-    yield request.param
-    K.set_simd_mode("auto")
+    return request.param
 
 
 def _combos(**options: list[Any]) -> list[dict[str, Any]]:
@@ -186,7 +193,6 @@ def test_scalar_and_avx2_bitwise_equal() -> None:
         for mode in ("scalar", "avx2"):
             K.set_simd_mode(mode)
             results.append(_run(tagps_cls, options, init, grads)[0])
-        K.set_simd_mode("auto")
         for a, b in zip(*results, strict=True):
             assert torch.equal(a, b), tagps_cls.__name__
 
