@@ -160,56 +160,24 @@ def _creation_lock() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _tbf(dev: str, rate_mbit: float, netns: str | None, parent: Sequence[str]) -> None:
+def _tbf(dev: str, rate_mbit: float, netns: str | None, parent: str) -> None:
     rate_bytes = rate_mbit * 1e6 / 8
     burst = max(_MIN_BURST_BYTES, int(rate_bytes * _BURST_S))
     limit = burst + int(rate_bytes * _QUEUE_S)
     ns = ["-n", netns] if netns else []
-    _run(
-        "tc",
-        *ns,
-        "qdisc",
-        "replace",
-        "dev",
-        dev,
-        *parent,
-        "tbf",
-        "rate",
-        f"{rate_mbit}mbit",
-        "burst",
-        str(burst),
-        "limit",
-        str(limit),
-    )
+    spec = f"qdisc replace dev {dev} {parent} tbf rate {rate_mbit}mbit burst {burst} limit {limit}"
+    _run("tc", *ns, *spec.split())
 
 
 def _limit(node: Node) -> None:
     """Apply ``node.limit``: what it sends is shaped on ``eth0``, what it receives on the bridge side."""
     limit = node.limit
-    root = ["root", "handle", "1:"]
+    root = "root handle 1:"
     if limit.delay_ms > 0:
-        _run(
-            "tc",
-            "-n",
-            node.netns,
-            "qdisc",
-            "replace",
-            "dev",
-            "eth0",
-            *root,
-            "netem",
-            "delay",
-            f"{limit.delay_ms}ms",
-            "limit",
-            "100000",
-        )
+        spec = f"qdisc replace dev eth0 {root} netem delay {limit.delay_ms}ms limit 100000"
+        _run("tc", "-n", node.netns, *spec.split())
     if limit.rate_mbit is not None:
-        _tbf(
-            "eth0",
-            limit.rate_mbit,
-            node.netns,
-            ["parent", "1:1", "handle", "10:"] if limit.delay_ms else root,
-        )
+        _tbf("eth0", limit.rate_mbit, node.netns, "parent 1:1 handle 10:" if limit.delay_ms else root)
         _tbf(node.host_ifname, limit.rate_mbit, None, root)
 
 
@@ -342,23 +310,8 @@ def _attach(network: Network, node: Node) -> None:
     mtu = str(network.mtu)
     _run("ip", "netns", "add", node.netns)
     _run("ip", "-n", node.netns, "link", "set", "lo", "up")
-    _run(
-        "ip",
-        "link",
-        "add",
-        node.host_ifname,
-        "mtu",
-        mtu,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "eth0",
-        "mtu",
-        mtu,
-        "netns",
-        node.netns,
-    )
+    veth = f"link add {node.host_ifname} mtu {mtu} type veth peer name eth0 mtu {mtu} netns {node.netns}"
+    _run("ip", *veth.split())
     _run("ip", "link", "set", node.host_ifname, "master", network.bridge, "up")
     _run("ip", "-n", node.netns, "addr", "add", f"{node.address}/{network.subnet.prefixlen}", "dev", "eth0")
     _run("ip", "-n", node.netns, "link", "set", "eth0", "up")
