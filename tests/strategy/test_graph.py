@@ -47,7 +47,7 @@ def test_reference_models_trace_and_own_every_parameter(name):
     owned = [p for op in graph.ops for p in op.params]
     assert sorted(owned) == sorted(graph.params)
     assert len(owned) == len(set(owned))
-    assert graph.fwd_flops > 1e9
+    assert graph.fwd_flops > 0
     assert default_batch_size(name) >= 1
     assert all(src < dst for src, dst, _ in graph.edges)  # topological order
 
