@@ -599,6 +599,60 @@ def test_local_job_with_real_scheduler_and_servers(tmp_path: Path, mode: str, st
     assert _processes_with(f"TAGPS_TEST_MARK={mark}") == []
 
 
+HANGING_PS_WORKER = textwrap.dedent(
+    """
+    import time
+    from tagps.ps.client import PSClient
+    client = PSClient.from_env()
+    client.barrier()
+    print("registered", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_sigint_to_a_real_job_leaves_nothing_behind(tmp_path: Path) -> None:
+    script = tmp_path / "hanging_worker.py"
+    script.write_text(HANGING_PS_WORKER)
+    mark = f"tagps-test-{os.getpid()}-sigint"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tagps.launcher",
+            "--local",
+            "2",
+            "--servers",
+            "2",
+            "--grace",
+            "2",
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_clean_env(TAGPS_TEST_MARK=mark),
+    )
+    try:
+        assert proc.stdout is not None
+        seen = []
+        while len(seen) < 2:  # both workers registered, passed a barrier, and now sleep inside the job
+            line = proc.stdout.readline()
+            assert line, f"bpslaunch ended early: {seen}"
+            if line.endswith("registered\n"):
+                seen.append(line)
+        assert len(_processes_with(f"TAGPS_TEST_MARK={mark}")) == 6  # bpslaunch, scheduler, 2+2
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert _processes_with(f"TAGPS_TEST_MARK={mark}") == []
+
+
 def _processes_with(variable: str) -> list[int]:
     """Pids of live processes whose environment holds ``variable`` (``NAME=value``)."""
     found = []
