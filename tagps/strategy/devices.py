@@ -13,9 +13,10 @@ factors are the calibrated constants; :func:`calibrated` returns a copy with new
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEVICE_TYPES", "DeviceType", "calibrated", "device_type"]
+__all__ = ["DEVICE_TYPES", "DeviceType", "calibrated", "device_type", "fit_device"]
 
 GIB = 1 << 30
 
@@ -102,3 +103,43 @@ def calibrated(base: DeviceType, **constants: float) -> DeviceType:
     if unknown:
         raise ValueError(f"not calibration constants: {sorted(unknown)}; allowed: {sorted(allowed)}")
     return dataclasses.replace(base, **constants)
+
+
+def fit_device(base: DeviceType, samples: Sequence[tuple[float, float, float]]) -> DeviceType:
+    """Fit ``efficiency``, ``memory_efficiency`` and ``op_overhead_s`` of ``base`` to measured op times.
+
+    A grid search (log-spaced efficiencies in [0.005, 1], overheads in [0, 1] ms) minimising the squared
+    log error of the roofline against the measurements.
+
+    Args:
+        base: the device type whose peak FLOP/s and memory bandwidth stay fixed.
+        samples: ``(flops, bytes moved, measured seconds)`` per op run.
+
+    Returns:
+        ``base`` with the fitted constants.
+
+    Raises:
+        ValueError: no sample with a positive measured time.
+    """
+    import numpy as np
+
+    data = np.array([s for s in samples if s[2] > 0], dtype=np.float64).reshape(-1, 3)
+    if not len(data):
+        raise ValueError("fit_device needs at least one sample with a positive measured time")
+    flops, moved, seconds = data[:, 0], data[:, 1], data[:, 2]
+    effs = np.geomspace(0.005, 1.0, 48)
+    overheads = np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 28)])
+    compute = flops[None, :] / (base.peak_flops * effs[:, None])  # (eff, op)
+    memory = moved[None, :] / (base.memory_bandwidth * effs[:, None])  # (mem eff, op)
+    roof = np.maximum(compute[:, None, :], memory[None, :, :])  # (eff, mem eff, op)
+    log_meas = np.log(seconds)
+    best = (np.inf, 0, 0, 0)
+    for k, overhead in enumerate(overheads):
+        err = ((np.log(roof + overhead) - log_meas) ** 2).sum(axis=-1)
+        i, j = np.unravel_index(int(np.argmin(err)), err.shape)
+        if err[i, j] < best[0]:
+            best = (float(err[i, j]), int(i), int(j), k)
+    _, i, j, k = best
+    return calibrated(
+        base, efficiency=float(effs[i]), memory_efficiency=float(effs[j]), op_overhead_s=float(overheads[k])
+    )

@@ -22,9 +22,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Graph", "Op", "extract_graph", "model_graph", "profile_graph"]
+if TYPE_CHECKING:
+    from tagps.strategy.devices import DeviceType
+
+__all__ = ["Graph", "Op", "calibrate_device", "extract_graph", "model_graph", "profile_graph"]
 
 
 @dataclass(frozen=True)
@@ -332,3 +335,29 @@ def profile_graph(
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({str(b): t for b, t in result.items()}))
     return result
+
+
+def calibrate_device(
+    name: str,
+    base: str = "CPU",
+    batch_sizes: Sequence[int] = (1, 4, 16),
+    repeats: int = 5,
+    cache_dir: str | Path | None = None,
+) -> DeviceType:
+    """Fit the roofline constants of device type ``base`` to this CPU's op times for model ``name``.
+
+    Profiles (or reads the cached profile of) every op's forward at ``batch_sizes`` with
+    :func:`profile_graph`, then :func:`~tagps.strategy.devices.fit_device`.
+    """
+    from tagps.strategy.devices import device_type, fit_device
+
+    graph = model_graph(name)
+    profile = profile_graph(name, batch_sizes, repeats, cache_dir)
+    by_name = {op.name: op for op in graph.ops}
+    samples = [
+        (op.fwd_flops * b, op.param_bytes + (op.in_bytes + op.out_bytes) * b, seconds)
+        for b, times in profile.items()
+        for op_name, seconds in times.items()
+        if (op := by_name.get(op_name)) is not None
+    ]
+    return fit_device(device_type(base), samples)

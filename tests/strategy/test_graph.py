@@ -4,7 +4,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from tagps.models import MODELS, build_model, default_batch_size, example_inputs
-from tagps.strategy.graph import Graph, extract_graph, model_graph, profile_graph
+from tagps.strategy.graph import Graph, calibrate_device, extract_graph, model_graph, profile_graph
 from tagps.strategy.grouping import group_ops, grouping_from_names, split_ops
 
 
@@ -125,18 +125,42 @@ def test_split_ops_for_model_parallelism():
     assert sorted(op for p in parts for op in p) == sorted(ops)
 
 
-def test_profile_graph_is_cached_on_disk(tmp_path, monkeypatch):
+def test_profile_graph_is_cached_on_disk_and_calibrates(tmp_path, monkeypatch):
     monkeypatch.setenv("TAGPS_CACHE_DIR", str(tmp_path))
     calls = []
     import tagps.strategy.graph as graph_module
 
     real = graph_module.statistics.median
     monkeypatch.setattr(graph_module.statistics, "median", lambda xs: calls.append(1) or real(xs))
-    first = profile_graph("vgg19", batch_sizes=(1,), repeats=1)
-    assert set(first) == {1}
-    assert len(first[1]) == len(model_graph("vgg19").ops)
+    first = profile_graph("vgg-mini", batch_sizes=(1, 2), repeats=1)
+    assert set(first) == {1, 2}
+    assert len(first[1]) == len(model_graph("vgg-mini").ops)
     assert all(t > 0 for t in first[1].values())
     n = len(calls)
-    assert profile_graph("vgg19", batch_sizes=(1,), repeats=1) == first
+    assert profile_graph("vgg-mini", batch_sizes=(1, 2), repeats=1) == first
     assert len(calls) == n  # second call read the cache
-    assert list(tmp_path.glob("profile-vgg19-*.json"))
+    assert list(tmp_path.glob("profile-vgg-mini-*.json"))
+    fitted = calibrate_device("vgg-mini", batch_sizes=(1, 2), repeats=1)  # from the cached profile
+    assert len(calls) == n
+    assert fitted.name == "CPU" and 0 < fitted.efficiency <= 1 and 0 < fitted.memory_efficiency <= 1
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        profile_graph("vgg-mini", repeats=0)
+
+
+def test_fit_device_recovers_known_constants():
+    import numpy as np
+
+    from tagps.strategy.devices import DEVICE_TYPES, calibrated, fit_device
+
+    truth = calibrated(DEVICE_TYPES["CPU"], efficiency=0.3, memory_efficiency=0.2, op_overhead_s=3e-5)
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(300):
+        flops, moved = 10 ** rng.uniform(3, 10), 10 ** rng.uniform(3, 9)
+        samples.append((flops, moved, truth.op_time(flops, moved)))
+    fitted = fit_device(DEVICE_TYPES["CPU"], samples)
+    assert fitted.efficiency == pytest.approx(0.3, rel=0.08)
+    assert fitted.memory_efficiency == pytest.approx(0.2, rel=0.08)
+    assert fitted.op_overhead_s == pytest.approx(3e-5, rel=0.3)
+    with pytest.raises(ValueError, match="positive measured time"):
+        fit_device(DEVICE_TYPES["CPU"], [(1.0, 1.0, 0.0)])
