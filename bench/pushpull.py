@@ -306,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pushpull.json")
     args = parser.parse_args(argv)
     bench = Bench(args.quick)
+    load_before = os.getloadavg()
     figures: dict[str, float | None] = dict.fromkeys(TARGETS)
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="tagps-pushpull-") as tmp:
@@ -318,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures.update(bench.emulated(tmp))
     figures["server_sum_GBps"] = bench.server_sum()
     result = {
-        "machine": _machine(),
+        # Other jobs on the machine skew every figure; the 1-minute load average says how busy it was.
+        "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
         "quick": args.quick,
         "commands": bench.commands,
         "figures": figures,
