@@ -1,0 +1,325 @@
+"""Calibration of the simulator against this host: the constants, their fit, and how plans use them.
+
+The simulator's cost model has a few constants that vendor figures do not give: the roofline efficiencies
+and per-op overhead of a device (``tagps.strategy.devices``) and the per-message latency and achieved
+bandwidth of collectives (``tagps.strategy.simulator``). :mod:`tagps.calibrate` measures this host (op
+times of a calibration set of models, ``gloo`` all-reduces over emulated links) and :func:`fit_compute` /
+:func:`fit_comm` fit the constants; the result is a :class:`Calibration`, saved as JSON. This module
+imports neither torch nor the runtime.
+
+A calibrated CPU device is a share ``s`` of one full core (a worker process with one thread under its
+machine's CPU quota): ``s`` is its group's ``peak_flops`` (measured under the quota) over a full core's,
+and every term of the roofline scales with it,
+
+.. math::
+    t_{op} = \\frac{1}{s}\\Big[\\max\\Big(\\frac{F}{P_1\\,\\eta},\\ \\frac{M}{W_1\\,\\eta_m}\\Big) + o\\Big],
+
+while a collective of ``S`` bytes over ``n`` devices costs the ring model with the fitted latency
+``α`` and bandwidth efficiency ``η_b`` of the measured TCP goodput ``B`` (each fitted separately for rings
+inside a machine, where the reduction competes for the machine's CPU quota, and between machines):
+
+.. math::
+    t_{ring} = \\frac{2(n-1)}{n}\\frac{S}{\\eta_b B} + 2(n-1)\\,\\alpha.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tagps.strategy.devices import DeviceType, device_type
+from tagps.strategy.graph import Graph
+from tagps.strategy.grouping import Grouping
+from tagps.strategy.simulator import Simulator
+from tagps.strategy.topology import DeviceGroup, Link, Topology
+
+__all__ = [
+    "CALIBRATION_VERSION",
+    "Calibration",
+    "CommSample",
+    "ComputeSample",
+    "fit_comm",
+    "fit_compute",
+    "load_calibration",
+    "single_device_time",
+]
+
+CALIBRATION_VERSION = 1
+
+
+def _positive(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or math.isinf(value):
+        raise ValueError(f"calibration: {what} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted simulator constants for one host's CPU devices and emulated links.
+
+    Args:
+        core_flops: measured float32 matmul rate of one thread on one full core (FLOP/s).
+        memory_bandwidth: measured copy bandwidth of one thread (bytes/s).
+        efficiency: fraction of ``core_flops`` compute-bound ops reach (fit).
+        memory_efficiency: fraction of ``memory_bandwidth`` memory-bound ops reach (fit).
+        op_overhead_s: fixed time per op on a full core (dispatch; fit).
+        inter_latency_s: per-message latency of a collective step between machines (fit).
+        intra_latency_s: the same inside a machine (fit).
+        inter_bandwidth_efficiency: fraction of the measured TCP goodput between machines that a
+            collective reaches (fit).
+        intra_bandwidth_efficiency: the same inside a machine (fit).
+        fit_error: mean absolute relative error of each fit on its own samples (``compute``, ``comm``).
+        calibration_set: what the constants were fitted on.
+    """
+
+    core_flops: float
+    memory_bandwidth: float
+    efficiency: float
+    memory_efficiency: float
+    op_overhead_s: float
+    inter_latency_s: float
+    intra_latency_s: float
+    inter_bandwidth_efficiency: float
+    intra_bandwidth_efficiency: float
+    fit_error: dict[str, float] = field(default_factory=dict)
+    calibration_set: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive(self.core_flops, "core_flops")
+        _positive(self.memory_bandwidth, "memory_bandwidth")
+        for name in (
+            "efficiency",
+            "memory_efficiency",
+            "inter_bandwidth_efficiency",
+            "intra_bandwidth_efficiency",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ValueError(f"calibration: {name} must be in (0, 1], got {value!r}")
+        for name in ("op_overhead_s", "inter_latency_s", "intra_latency_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+                raise ValueError(f"calibration: {name} must be in [0, 1) seconds, got {value!r}")
+
+    # ------------------------------------------------------------------ use
+    def device_type(self, peak_flops: float | None = None) -> DeviceType:
+        """The calibrated CPU device running at ``peak_flops`` (default: one full core)."""
+        share = (peak_flops or self.core_flops) / self.core_flops
+        base = device_type("CPU")
+        return DeviceType(
+            base.name,
+            self.core_flops * share,
+            base.memory_bytes,
+            self.memory_bandwidth * share,
+            self.efficiency,
+            self.memory_efficiency,
+            self.op_overhead_s / share,
+        )
+
+    def device_types(self, topology: Topology) -> dict[str, DeviceType]:
+        """Calibrated types of the topology's CPU device groups, keyed by group name (for the simulator)."""
+        return {
+            g.name: dataclasses.replace(self.device_type(g.peak_flops), memory_bytes=g.memory_bytes)
+            for g in topology.groups
+            if g.device == "CPU"
+        }
+
+    def apply(self, topology: Topology) -> Topology:
+        """Return ``topology`` with the fitted latencies and its bandwidths scaled by the efficiencies."""
+        eff, intra = self.inter_bandwidth_efficiency, self.intra_bandwidth_efficiency
+        groups = tuple(
+            dataclasses.replace(g, intra_bandwidth_gbps=g.intra_bandwidth_gbps * intra)
+            for g in topology.groups
+        )
+        links = tuple(Link(ln.a, ln.b, ln.bandwidth_gbps * eff) for ln in topology.links)
+        return Topology(
+            topology.name,
+            groups,
+            topology.inter_bandwidth_gbps * eff,
+            links,
+            intra_latency_s=self.intra_latency_s,
+            inter_latency_s=self.inter_latency_s,
+        )
+
+    def simulator(self, graph: Graph, grouping: Grouping, topology: Topology) -> Simulator:
+        """A :class:`Simulator` for ``topology`` with these constants.
+
+        Plans keep naming ``topology`` (the measured one); evaluate them with :meth:`evaluate`.
+        """
+        return Simulator(graph, grouping, self.apply(topology), self.device_types(topology))
+
+    def evaluate(self, sim: Simulator, plan: Any) -> float:
+        """Predicted iteration time of ``plan`` (made for the measured topology) on calibrated ``sim``."""
+        return sim.evaluate(dataclasses.replace(plan, topology=sim.topology)).iteration_time
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON-ready form (what :meth:`from_dict` reads back to an equal object)."""
+        data = dataclasses.asdict(self)
+        data["calibration_set"] = list(self.calibration_set)
+        return {"version": CALIBRATION_VERSION, **data}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
+        """Build and validate a calibration from its dict form; errors name the offending key."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a calibration must be a mapping, got {type(data).__name__}")
+        if data.get("version") != CALIBRATION_VERSION:
+            raise ValueError(
+                f"calibration version {data.get('version')!r} is not supported (reads {CALIBRATION_VERSION})"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        body = {k: v for k, v in data.items() if k != "version"}
+        unknown, missing = set(body) - names, names - set(body) - {"fit_error", "calibration_set"}
+        if unknown or missing:
+            raise ValueError(f"calibration: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        body["calibration_set"] = tuple(body.get("calibration_set", ()))
+        body["fit_error"] = dict(body.get("fit_error", {}))
+        return cls(**body)
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON form to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read a calibration file written by :meth:`Calibration.save` (``python -m tagps.calibrate``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"calibration file {str(path)!r} does not exist; run `python -m tagps.calibrate`")
+    return Calibration.from_dict(json.loads(p.read_text()))
+
+
+# ---------------------------------------------------------------------- fitting
+@dataclass(frozen=True)
+class ComputeSample:
+    """One measured training step of a model on one full core.
+
+    Args:
+        name: what was measured (for the calibration set's record).
+        graph: the model's graph.
+        batch: samples in the step.
+        optimizer: ``sgd``, ``momentum`` or ``adam``.
+        measured_s: measured seconds of forward + backward + optimizer step.
+    """
+
+    name: str
+    graph: Graph
+    batch: int
+    optimizer: str
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class CommSample:
+    """One measured all-reduce.
+
+    Args:
+        nbytes: bytes reduced.
+        n: devices in the ring.
+        bandwidth_Bps: measured TCP goodput of the ring's slowest link.
+        inter: whether the ring crosses machines (else it is inside one).
+        measured_s: measured seconds.
+    """
+
+    nbytes: int
+    n: int
+    bandwidth_Bps: float
+    inter: bool
+    measured_s: float
+
+
+def single_device_time(graph: Graph, batch: int, optimizer: str, dtype: DeviceType) -> float:
+    """Simulated seconds of one training step of ``graph`` on one device (no communication)."""
+    grouping = Grouping((tuple(range(len(graph.ops))),), (0,) * len(graph.ops))
+    single = Topology("single", (DeviceGroup("d", dtype.name, 1, 1.0),), 1.0)
+    sim = Simulator(graph, grouping, single, {"d": dtype})
+    fwd, bwd = sim.ops_time(range(len(graph.ops)), dtype, float(batch))
+    return fwd + bwd + sim.apply_time(graph.param_bytes, len(graph.params), dtype, optimizer)
+
+
+def fit_compute(
+    samples: Sequence[ComputeSample], core_flops: float, memory_bandwidth: float
+) -> tuple[float, float, float, float]:
+    """Fit ``efficiency``, ``memory_efficiency`` and ``op_overhead_s`` to measured single-core steps.
+
+    Minimises the squared log ratio of simulated to measured time over the samples.
+
+    Returns:
+        ``(efficiency, memory_efficiency, op_overhead_s, mean absolute relative error)``.
+
+    Raises:
+        ValueError: fewer than three samples.
+    """
+    if len(samples) < 3:
+        raise ValueError(f"fitting three compute constants needs at least 3 samples, got {len(samples)}")
+    from scipy.optimize import least_squares
+
+    base = device_type("CPU")
+
+    def dtype(x: Sequence[float]) -> DeviceType:
+        return DeviceType(base.name, core_flops, base.memory_bytes, memory_bandwidth, x[0], x[1], x[2] * 1e-6)
+
+    def residuals(x: Sequence[float]) -> list[float]:
+        d = dtype(x)
+        return [
+            math.log(single_device_time(s.graph, s.batch, s.optimizer, d) / s.measured_s) for s in samples
+        ]
+
+    fit = least_squares(residuals, [0.5, 0.5, 20.0], bounds=([0.01, 0.01, 0.0], [1.0, 1.0, 5000.0]))
+    eff, mem_eff, overhead_us = (float(v) for v in fit.x)
+    d = dtype(fit.x)
+    errors = [
+        abs(single_device_time(s.graph, s.batch, s.optimizer, d) / s.measured_s - 1) for s in samples
+    ]
+    return eff, mem_eff, overhead_us * 1e-6, sum(errors) / len(errors)
+
+
+def fit_comm(samples: Sequence[CommSample]) -> tuple[float, float, float, float, float]:
+    """Fit the ring model's latencies and bandwidth efficiencies to measured all-reduces.
+
+    Non-negative least squares on relative residuals, separately for rings between machines (``inter``)
+    and inside one (``intra``):
+
+    .. math::
+        t = \\frac{2(n-1)}{n}\\frac{S}{B}\\cdot\\frac{1}{\\eta_b} + 2(n-1)\\,\\alpha
+
+    Returns:
+        ``(inter_latency_s, intra_latency_s, inter_bandwidth_efficiency, intra_bandwidth_efficiency,
+        mean absolute relative error)``; a kind without samples takes the other kind's constants.
+
+    Raises:
+        ValueError: fewer than two samples, a ring of one, or samples that leave a bandwidth term at 0.
+    """
+    if len(samples) < 2:
+        raise ValueError(f"fitting the all-reduce model needs at least 2 samples, got {len(samples)}")
+    import numpy as np
+    from scipy.optimize import nnls
+
+    rows = []
+    for s in samples:
+        if s.n < 2:
+            raise ValueError(f"an all-reduce sample needs n >= 2, got {s.n}")
+        steps = 2 * (s.n - 1)
+        volume = steps / s.n * s.nbytes / s.bandwidth_Bps / s.measured_s
+        latency = steps / s.measured_s
+        # Columns: 1/eta inter, 1/eta intra, alpha inter, alpha intra; each row divided by its measurement.
+        rows.append([volume, 0.0, latency, 0.0] if s.inter else [0.0, volume, 0.0, latency])
+    matrix = np.array(rows)
+    coef, _ = nnls(matrix, np.ones(len(rows)))
+    error = float(np.mean(np.abs(matrix @ coef - 1.0)))
+    kinds = {kind: any(s.inter == kind for s in samples) for kind in (True, False)}
+    inv = {True: float(coef[0]), False: float(coef[1])}
+    lat = {True: float(coef[2]), False: float(coef[3])}
+    for kind, present in kinds.items():
+        if not present:
+            inv[kind], lat[kind] = inv[not kind], lat[not kind]
+        elif inv[kind] <= 0:
+            where = "between machines" if kind else "inside a machine"
+            raise ValueError(f"the all-reduces {where} do not determine the bandwidth: add larger messages")
+    return lat[True], lat[False], min(1.0, 1 / inv[True]), min(1.0, 1 / inv[False]), error
