@@ -201,6 +201,9 @@ def test_two_networks_get_distinct_numbers_and_subnets() -> None:
         assert first.index != second.index
         assert first.address("a") != second.address("a")
         assert first.node("a").netns != second.node("a").netns
+        first.down()
+        assert _names(first.index) == [] and len(_names(second.index)) == 3  # only its own names went
+        first.down()  # idempotent; leaving the block calls it a third time
 
 
 # --- no root needed below ---------------------------------------------------------------------------
