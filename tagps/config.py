@@ -125,6 +125,8 @@ class CommConfig:
         dist_port: torch.distributed rendezvous port (``TAGPS_DIST_PORT``, default ``root_port + 1``).
         dist_backend: ``auto`` (NCCL with CUDA, else gloo), ``gloo`` or ``nccl`` (``TAGPS_DIST_BACKEND``).
         dist_timeout_s: collective and rendezvous timeout in seconds (``TAGPS_DIST_TIMEOUT``, default 300).
+        fusion_bytes: consecutive all-reduced gradients are fused into buckets of up to this many bytes
+            (``TAGPS_FUSION_BYTES``, default 25 MiB as DDP; 0 turns fusion off).
         pcie_switch_size: local ranks per PCIe switch (``BYTEPS_PCIE_SWITCH_SIZE``, default 0 = one group).
         local_topology: explicit groups of local ranks, e.g. ``0,1|2,3`` (``TAGPS_LOCAL_TOPOLOGY``);
             overrides ``pcie_switch_size``.
@@ -140,6 +142,7 @@ class CommConfig:
     dist_port: int | None = None
     dist_backend: str = "auto"
     dist_timeout_s: float = 300.0
+    fusion_bytes: int = 25 << 20
     pcie_switch_size: int = 0
     local_topology: tuple[tuple[int, ...], ...] | None = None
 
@@ -194,6 +197,7 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
         dist_port=_read(env, "TAGPS_DIST_PORT", _int(1), default_dist_port),
         dist_backend=_read(env, "TAGPS_DIST_BACKEND", _choice("auto", "gloo", "nccl"), "auto"),
         dist_timeout_s=_read(env, "TAGPS_DIST_TIMEOUT", float, 300.0),
+        fusion_bytes=_read(env, "TAGPS_FUSION_BYTES", _int(0), 25 << 20),
         pcie_switch_size=_read(env, "BYTEPS_PCIE_SWITCH_SIZE", _int(0), 0),
         local_topology=_read(env, "TAGPS_LOCAL_TOPOLOGY", _topology, None),
     )
