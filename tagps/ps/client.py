@@ -449,12 +449,14 @@ class PSClient:
         except Exception as exc:  # never leave a waiter hanging on a bug
             log.exception("PS client I/O thread crashed")
             self._fail_all(f"internal error in the PS client: {exc!r}")
-        # After a failure, still honour "stop" so close() can join this thread.
+        # After a failure, fail whatever still arrives (a push_pull racing the failure) until "stop".
         while True:
             self._wake_in.recv()
             while self._commands:
-                if self._commands.popleft()[0] == "stop":
+                command = self._commands.popleft()
+                if command[0] == "stop":
                     return
+                self._fail_command(command, self._fatal or "the PS client stopped")
 
     def _run_commands(self) -> bool:
         while True:
@@ -616,12 +618,16 @@ class PSClient:
             if event is not None:
                 event.set()
         for command in list(self._commands):
-            for item in command[1:]:
-                if isinstance(item, threading.Event):
-                    item.set()
-                if isinstance(item, Handle):
-                    item.error = reason
-                    item._done.set()
+            self._fail_command(command, reason)
+
+    @staticmethod
+    def _fail_command(command: tuple[Any, ...], reason: str) -> None:
+        for item in command[1:]:
+            if isinstance(item, threading.Event):
+                item.set()
+            if isinstance(item, Handle):
+                item.error = reason
+                item._done.set()
 
     def _write_trace(self) -> None:
         """Write the push_pull timeline (Chrome trace format) to BYTEPS_TRACE_DIR/<worker_id>/comm.json."""

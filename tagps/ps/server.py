@@ -146,8 +146,10 @@ class SummationServer:
         """Register, serve until the scheduler says SHUTDOWN (returns 0) or the job fails (returns 1)."""
         try:
             book = self._link.register()
+            if book.rank is None:
+                raise JobFailed("the scheduler's address book gave this server no rank")
             self.rank = book.rank
-            self.node_id = server_node_id(book.rank or 0)
+            self.node_id = server_node_id(book.rank)
             if self._restored_rank is not None and self._restored_rank != self.rank:
                 raise JobFailed(f"checkpoint is for server rank {self._restored_rank}, got rank {self.rank}")
             log.info("server rank %s of %d", self.rank, self.config.num_servers)
