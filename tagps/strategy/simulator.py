@@ -258,6 +258,11 @@ class Simulator:
         device_types: optional calibrated device types, keyed by device-group name or by device-type name
             (a group's own entry wins), overriding the table's.
         seed: METIS seed for model-parallel splits.
+
+    Attributes (read-only, for the search): ``graph``, ``grouping``, ``topology``; ``groups`` (per op
+    group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
+    topology's device groups) with their ``dtypes`` and the bandwidth matrix ``bw`` (bytes/s, diagonal =
+    intra-group); :meth:`group_time` gives an op group's forward/backward seconds on a device group.
     """
 
     def __init__(
