@@ -247,3 +247,47 @@ def test_killed_worker_fails_the_job_fast_naming_it(ps_job) -> None:
         assert report["elapsed"] < 2 + 2.0  # PS_HEARTBEAT_TIMEOUT plus a poll interval and slack
         codes = job.wait_infrastructure()
         assert codes == {"scheduler": 1, "server0": 1, "server1": 1}
+
+
+STEADY = (
+    PREAMBLE
+    + """
+client.declare("x", 4000, np.float32)
+client.barrier()
+buf = np.ones(1000, np.float32)
+client.wait(client.push_pull("x", buf), timeout=30)
+print("running", flush=True)
+start = None
+try:
+    while True:
+        start = time.monotonic()
+        client.wait(client.push_pull("x", buf))   # no timeout: only the failure notice can end this
+except RuntimeError as exc:
+    print(json.dumps({"elapsed": time.monotonic() - start, "error": str(exc)}))
+    sys.exit(3)
+"""
+)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("victim", "message"),
+    [
+        ("server", r"server 1 \(pid \d+ on 127\.0\.0\.1\) failed"),
+        ("scheduler", r"the scheduler at 127\.0\.0\.1:\d+ sent nothing for 2 s"),
+    ],
+)
+def test_killed_server_or_scheduler_fails_the_workers_naming_it(ps_job, victim: str, message: str) -> None:
+    with ps_job(num_workers=2, num_servers=2, env={"PS_HEARTBEAT_TIMEOUT": "2"}) as job:
+        workers = [job.start_worker(i, STEADY) for i in range(2)]
+        for proc in workers:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "running"
+        process = job.servers[1] if victim == "server" else job.scheduler
+        assert process is not None
+        process.kill()
+        for worker_id, proc in enumerate(workers):
+            result = job.finish(worker_id, proc, timeout=20)
+            assert result.returncode == 3, result.stderr
+            report = json.loads(result.stdout.strip().splitlines()[-1])
+            assert re.search(message, report["error"]), report
+            assert report["elapsed"] < 2 + 2.0
