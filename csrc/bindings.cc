@@ -44,13 +44,47 @@ const void* readable(const py::array& a, DType dtype, size_t count, const char* 
   return a.data();
 }
 
+// The bytes [begin, end) an array covers (it is C-contiguous).
+struct Region {
+  std::string name;
+  uintptr_t begin, end;
+};
+
+Region region(const py::array& a, std::string name) {
+  const auto begin = reinterpret_cast<uintptr_t>(a.data());
+  return {std::move(name), begin, begin + static_cast<uintptr_t>(a.nbytes())};
+}
+
+bool overlap(const Region& a, const Region& b) { return a.begin < b.end && b.begin < a.end; }
+
+// Throws InvalidArgument when two of `regions` share a byte.
+void check_disjoint(const std::vector<Region>& regions) {
+  for (size_t i = 0; i < regions.size(); ++i) {
+    for (size_t j = i + 1; j < regions.size(); ++j) {
+      if (overlap(regions[i], regions[j])) {
+        throw tagps::InvalidArgument(regions[i].name + " and " + regions[j].name +
+                                     " share memory; they must be distinct buffers");
+      }
+    }
+  }
+}
+
 void sum_into(py::array dst, const std::vector<py::array>& srcs, int dtype_code) {
   tagps::kernels::SumOptions o;
   o.dtype = tagps::dtype_from_code(dtype_code);
   o.dst = writable(dst, o.dtype, "dst");
   o.count = static_cast<size_t>(dst.size());
   o.srcs.reserve(srcs.size());
-  for (const py::array& s : srcs) o.srcs.push_back(readable(s, o.dtype, o.count, "src"));
+  const Region out = region(dst, "dst");
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    o.srcs.push_back(readable(srcs[i], o.dtype, o.count, "src"));
+    // Element-wise in place: a source may be dst itself, but not shifted against it.
+    const Region in = region(srcs[i], "srcs[" + std::to_string(i) + "]");
+    if (overlap(in, out) && in.begin != out.begin) {
+      throw tagps::InvalidArgument(
+          in.name + " partly overlaps dst; an in-place sum needs it disjoint or identical to dst");
+    }
+  }
   py::gil_scoped_release release;
   tagps::kernels::sum_into(o);
 }
@@ -72,28 +106,40 @@ void cast(py::array dst, const py::array& src, int dst_code, int src_code) {
   o.dst = writable(dst, o.dst_dtype, "dst");
   o.count = static_cast<size_t>(dst.size());
   o.src = readable(src, o.src_dtype, o.count, "src");
+  check_disjoint({region(dst, "dst"), region(src, "src")});
   py::gil_scoped_release release;
   tagps::kernels::cast(o);
 }
 
-// float32 state buffer of `count` elements (nullptr when absent).
-float* f32_state(std::optional<py::array>& a, size_t count, const char* what) {
+// float32 state buffer of `count` elements (nullptr when absent); its region joins `regions`.
+float* f32_state(std::optional<py::array>& a, size_t count, const char* what,
+                 std::vector<Region>& regions) {
   if (!a) return nullptr;
   TAGPS_ENFORCE_EQ(static_cast<size_t>(a->size()), count, what, " size");
+  regions.push_back(region(*a, what));
   return static_cast<float*>(writable(*a, DType::kFloat32, what));
+}
+
+// param (written) and grad (read) of an optimizer step; their regions start `regions`.
+void param_grad(py::array& param, const py::array& grad, size_t& count, float*& p, const float*& g,
+                std::vector<Region>& regions) {
+  count = static_cast<size_t>(param.size());
+  p = static_cast<float*>(writable(param, DType::kFloat32, "param"));
+  g = static_cast<const float*>(readable(grad, DType::kFloat32, count, "grad"));
+  regions = {region(param, "param"), region(grad, "grad")};
 }
 
 void adam_step(py::array param, const py::array& grad, py::array exp_avg, py::array exp_avg_sq,
                std::optional<py::array> max_exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
                double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay) {
   tagps::kernels::AdamOptions o;
-  o.count = static_cast<size_t>(param.size());
-  o.param = static_cast<float*>(writable(param, DType::kFloat32, "param"));
-  o.grad = static_cast<const float*>(readable(grad, DType::kFloat32, o.count, "grad"));
+  std::vector<Region> regions;
+  param_grad(param, grad, o.count, o.param, o.grad, regions);
   std::optional<py::array> m(exp_avg), v(exp_avg_sq);
-  o.exp_avg = f32_state(m, o.count, "exp_avg");
-  o.exp_avg_sq = f32_state(v, o.count, "exp_avg_sq");
-  o.max_exp_avg_sq = f32_state(max_exp_avg_sq, o.count, "max_exp_avg_sq");
+  o.exp_avg = f32_state(m, o.count, "exp_avg", regions);
+  o.exp_avg_sq = f32_state(v, o.count, "exp_avg_sq", regions);
+  o.max_exp_avg_sq = f32_state(max_exp_avg_sq, o.count, "max_exp_avg_sq", regions);
+  check_disjoint(regions);
   o.step = step;
   o.lr = lr;
   o.beta1 = beta1;
@@ -109,15 +155,16 @@ void adam_step(py::array param, const py::array& grad, py::array exp_avg, py::ar
 
 void rmsprop_step(py::array param, const py::array& grad, py::array square_avg,
                   std::optional<py::array> momentum_buffer, std::optional<py::array> grad_avg, double lr,
-                  double alpha, double eps, double weight_decay, double momentum, bool centered, bool maximize) {
+                  double alpha, double eps, double weight_decay, double momentum, bool centered,
+                  bool maximize) {
   tagps::kernels::RmspropOptions o;
-  o.count = static_cast<size_t>(param.size());
-  o.param = static_cast<float*>(writable(param, DType::kFloat32, "param"));
-  o.grad = static_cast<const float*>(readable(grad, DType::kFloat32, o.count, "grad"));
+  std::vector<Region> regions;
+  param_grad(param, grad, o.count, o.param, o.grad, regions);
   std::optional<py::array> sq(square_avg);
-  o.square_avg = f32_state(sq, o.count, "square_avg");
-  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer");
-  o.grad_avg = f32_state(grad_avg, o.count, "grad_avg");
+  o.square_avg = f32_state(sq, o.count, "square_avg", regions);
+  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer", regions);
+  o.grad_avg = f32_state(grad_avg, o.count, "grad_avg", regions);
+  check_disjoint(regions);
   o.lr = lr;
   o.alpha = alpha;
   o.eps = eps;
@@ -133,10 +180,10 @@ void sgd_step(py::array param, const py::array& grad, std::optional<py::array> m
               double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
               bool first_step) {
   tagps::kernels::SgdOptions o;
-  o.count = static_cast<size_t>(param.size());
-  o.param = static_cast<float*>(writable(param, DType::kFloat32, "param"));
-  o.grad = static_cast<const float*>(readable(grad, DType::kFloat32, o.count, "grad"));
-  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer");
+  std::vector<Region> regions;
+  param_grad(param, grad, o.count, o.param, o.grad, regions);
+  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer", regions);
+  check_disjoint(regions);
   o.lr = lr;
   o.momentum = momentum;
   o.dampening = dampening;
@@ -168,23 +215,27 @@ PYBIND11_MODULE(_core, m) {
       .value("int32", DType::kInt32)
       .value("int64", DType::kInt64);
 
-  m.def("sum_into", &sum_into, py::arg("dst"), py::arg("srcs"), py::arg("dtype"),
+  // Buffers must already be numpy arrays: no silent conversion of a list into a temporary.
+  const auto buffer = [](const char* name) { return py::arg(name).noconvert(); };
+  const auto optional_buffer = [](const char* name) { return py::arg(name).noconvert().none(true); };
+  m.def("sum_into", &sum_into, buffer("dst"), buffer("srcs"), py::arg("dtype"),
         R"pbdoc(dst += srcs[0] + srcs[1] + ... in one pass; dtype is a DType code.)pbdoc");
-  m.def("scale", &scale, py::arg("buf"), py::arg("factor"), py::arg("dtype"),
+  m.def("scale", &scale, buffer("buf"), py::arg("factor"), py::arg("dtype"),
         R"pbdoc(buf *= factor in place; dtype is a DType code.)pbdoc");
-  m.def("cast", &cast, py::arg("dst"), py::arg("src"), py::arg("dst_dtype"), py::arg("src_dtype"),
+  m.def("cast", &cast, buffer("dst"), buffer("src"), py::arg("dst_dtype"), py::arg("src_dtype"),
         R"pbdoc(dst = src converted between float32 and float16/bfloat16 (round-to-nearest-even).)pbdoc");
-  m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-        py::arg("max_exp_avg_sq").none(true), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+  m.def("adam_step", &adam_step, buffer("param"), buffer("grad"), buffer("exp_avg"), buffer("exp_avg_sq"),
+        optional_buffer("max_exp_avg_sq"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
         py::arg("decoupled_weight_decay"), R"pbdoc(Fused Adam/AdamW step on float32 buffers.)pbdoc");
-  m.def("rmsprop_step", &rmsprop_step, py::arg("param"), py::arg("grad"), py::arg("square_avg"),
-        py::arg("momentum_buffer").none(true), py::arg("grad_avg").none(true), py::arg("lr"), py::arg("alpha"),
-        py::arg("eps"), py::arg("weight_decay"), py::arg("momentum"), py::arg("centered"), py::arg("maximize"),
-        R"pbdoc(Fused RMSprop step on float32 buffers.)pbdoc");
-  m.def("sgd_step", &sgd_step, py::arg("param"), py::arg("grad"), py::arg("momentum_buffer").none(true),
-        py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
-        py::arg("maximize"), py::arg("first_step"), R"pbdoc(Fused SGD step on float32 buffers.)pbdoc");
+  m.def("rmsprop_step", &rmsprop_step, buffer("param"), buffer("grad"), buffer("square_avg"),
+        optional_buffer("momentum_buffer"), optional_buffer("grad_avg"), py::arg("lr"), py::arg("alpha"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("momentum"), py::arg("centered"),
+        py::arg("maximize"), R"pbdoc(Fused RMSprop step on float32 buffers.)pbdoc");
+  m.def("sgd_step", &sgd_step, buffer("param"), buffer("grad"), optional_buffer("momentum_buffer"),
+        py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"),
+        py::arg("nesterov"), py::arg("maximize"), py::arg("first_step"),
+        R"pbdoc(Fused SGD step on float32 buffers.)pbdoc");
 
   m.def("cpu_has_avx2", &tagps::cpu_has_avx2,
         R"pbdoc(True when the build has the AVX2 kernels and the CPU has AVX2, FMA and F16C.)pbdoc");

@@ -57,90 +57,67 @@ _INT_CODES = frozenset({int(_core.DType.int32), int(_core.DType.int64)})
 _SUPPORTED = "float32, float64, float16, bfloat16 (torch.bfloat16 or numpy uint16), int32, int64"
 
 
-class _Buffer:
-    """A validated contiguous buffer: the numpy view the core works on, its dtype code and byte range."""
-
-    __slots__ = ("array", "code", "end", "name", "start")
-
-    def __init__(self, array: np.ndarray, code: int, name: str) -> None:
-        self.array = array
-        self.code = code
-        self.name = name
-        self.start = array.__array_interface__["data"][0] if array.size else 0
-        self.end = self.start + array.nbytes
-
-    def same_region(self, other: _Buffer) -> bool:
-        return self.start == other.start and self.end == other.end
-
-    def overlaps(self, other: _Buffer) -> bool:
-        return self.start < other.end and other.start < self.end
+_TORCH_CODES: dict[Any, int] = {}  # torch dtype -> kernel dtype code, filled when torch is first seen
 
 
-def _torch_view(x: Any, name: str) -> tuple[np.ndarray, int] | None:
-    """The numpy view and dtype code of a CPU torch tensor, or None when ``x`` is no tensor."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(x, torch.Tensor):
-        return None
-    if x.device.type != "cpu":
+def _torch_codes(torch: Any) -> dict[Any, int]:
+    if not _TORCH_CODES:
+        _TORCH_CODES.update({
+            torch.float32: int(_core.DType.float32),
+            torch.float64: int(_core.DType.float64),
+            torch.float16: int(_core.DType.float16),
+            torch.bfloat16: int(_core.DType.bfloat16),
+            torch.int32: int(_core.DType.int32),
+            torch.int64: int(_core.DType.int64),
+        })
+    return _TORCH_CODES
+
+
+def _torch_array(x: Any, torch: Any, name: str) -> tuple[np.ndarray, int]:
+    """The numpy view (sharing memory) and dtype code of a dense contiguous CPU tensor."""
+    if not x.is_cpu:
         raise TypeError(f"{name} is a torch tensor on {x.device}; the kernels work on CPU tensors only")
     if x.layout != torch.strided:
         raise TypeError(f"{name} is a {x.layout} torch tensor; the kernels need dense (strided) tensors")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} is not contiguous (torch strides {tuple(x.stride())}); call .contiguous()")
-    x = x.detach()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(np.uint16), int(_core.DType.bfloat16)
-    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64):
+    code = _torch_codes(torch).get(x.dtype)
+    if code is None:
         hint = "; use torch.bfloat16 for bfloat16 data" if x.dtype == torch.uint16 else ""
         raise TypeError(f"{name} has unsupported dtype {x.dtype}; supported: {_SUPPORTED}{hint}")
-    array = x.numpy()
-    return array, _NUMPY_CODES[array.dtype]
+    if not x.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (torch strides {tuple(x.stride())}); call .contiguous()")
+    if x.requires_grad:
+        x = x.detach()
+    if code == int(_core.DType.bfloat16):
+        return x.view(torch.int16).numpy().view(np.uint16), code
+    return x.numpy(), code
 
 
-def _code_of(dtype: np.dtype, name: str) -> int:
-    code = _NUMPY_CODES.get(dtype)
-    if code is None:
-        raise TypeError(f"{name} has unsupported dtype {dtype}; supported: {_SUPPORTED}")
-    return code
+def _buffer(x: Any, name: str, *, writable: bool) -> tuple[np.ndarray, int]:
+    """Validate ``x`` (numpy array or CPU torch tensor) as a contiguous kernel buffer.
 
-
-def _buffer(x: Any, name: str, *, writable: bool) -> _Buffer:
-    """Validate ``x`` (numpy array or CPU torch tensor) as a contiguous kernel buffer."""
-    view = _torch_view(x, name)
-    if view is not None:
-        array, code = view
-    elif isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
+    Returns:
+        The numpy array the core works on (``x`` itself or a view of the tensor's memory) and its dtype
+        code. Overlaps between buffers are checked by the core, which sees the addresses anyway.
+    """
+    if isinstance(x, np.ndarray):
+        code = _NUMPY_CODES.get(x.dtype)
+        if code is None:
+            raise TypeError(f"{name} has unsupported dtype {x.dtype}; supported: {_SUPPORTED}")
+        flags = x.flags
+        if not flags.c_contiguous:
             raise ValueError(f"{name} is not C-contiguous (strides {x.strides}); use np.ascontiguousarray")
-        if writable and not x.flags.writeable:
+        if writable and not flags.writeable:
             raise ValueError(f"{name} is read-only; the kernels write it in place")
-        array, code = x, _code_of(x.dtype, name)
-    else:
-        raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(x).__name__}")
-    return _Buffer(array, code, name)
-
-
-def _check_like(ref: _Buffer, other: _Buffer) -> None:
-    """``other`` has ``ref``'s dtype and number of elements."""
-    if other.code != ref.code:
-        raise TypeError(
-            f"{other.name} has dtype {_CODE_NAMES[other.code]} but {ref.name} has {_CODE_NAMES[ref.code]}"
-        )
-    if other.array.size != ref.array.size:
-        raise ValueError(
-            f"{other.name} has {other.array.size} elements but {ref.name} has {ref.array.size}"
-        )
-
-
-def _check_disjoint(buffers: list[_Buffer]) -> None:
-    """No two of ``buffers`` share memory."""
-    for i, a in enumerate(buffers):
-        for b in buffers[i + 1 :]:
-            if a.overlaps(b):
-                raise ValueError(f"{a.name} and {b.name} share memory; they must be distinct buffers")
+        return x, code
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _torch_array(x, torch, name)
+    raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(x).__name__}")
 
 
 def _real(value: Any, name: str) -> float:
+    if type(value) is float:  # the common case, without the slower ABC check below
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
@@ -162,16 +139,18 @@ def sum_into(dst: Any, *srcs: Any) -> None:
         TypeError: unsupported or mismatched dtype, or not an array/tensor.
         ValueError: size mismatch, non-contiguous or read-only ``dst``, partial overlap with ``dst``.
     """
-    out = _buffer(dst, "dst", writable=True)
-    ins = [_buffer(s, f"srcs[{i}]", writable=False) for i, s in enumerate(srcs)]
-    for src in ins:
-        _check_like(out, src)
-        if src.overlaps(out) and not src.same_region(out):
-            raise ValueError(
-                f"{src.name} partly overlaps dst; an in-place sum needs it disjoint or identical to dst"
-            )
-    if ins:
-        _core.sum_into(out.array, [s.array for s in ins], out.code)
+    out, code = _buffer(dst, "dst", writable=True)
+    arrays = []
+    for i, s in enumerate(srcs):
+        name = f"srcs[{i}]"
+        array, src_code = _buffer(s, name, writable=False)
+        if src_code != code:
+            raise TypeError(f"{name} has dtype {_CODE_NAMES[src_code]} but dst has {_CODE_NAMES[code]}")
+        if array.size != out.size:
+            raise ValueError(f"{name} has {array.size} elements but dst has {out.size}")
+        arrays.append(array)
+    if arrays:
+        _core.sum_into(out, arrays, code)
 
 
 def scale(buf: Any, factor: float) -> None:
@@ -188,13 +167,13 @@ def scale(buf: Any, factor: float) -> None:
         TypeError: unsupported dtype or a non-real factor.
         ValueError: non-contiguous or read-only buffer, non-integral factor for an integer buffer.
     """
-    b = _buffer(buf, "buf", writable=True)
+    array, code = _buffer(buf, "buf", writable=True)
     f = _real(factor, "factor")
-    if b.code in _INT_CODES and not (math.isfinite(f) and f.is_integer()):
+    if code in _INT_CODES and not (math.isfinite(f) and f.is_integer()):
         raise ValueError(
             f"factor {factor!r} is not integral; an integer buffer can only be scaled by an integer"
         )
-    _core.scale(b.array, f, b.code)
+    _core.scale(array, f, code)
 
 
 def cast(dst: Any, src: Any) -> None:
@@ -211,32 +190,34 @@ def cast(dst: Any, src: Any) -> None:
         TypeError: a pair other than float32 <-> float16/bfloat16.
         ValueError: size mismatch, non-contiguous or read-only ``dst``, ``src`` sharing memory with ``dst``.
     """
-    out = _buffer(dst, "dst", writable=True)
-    inp = _buffer(src, "src", writable=False)
-    if (out.code, inp.code) not in _CAST_PAIRS:
+    out, out_code = _buffer(dst, "dst", writable=True)
+    inp, in_code = _buffer(src, "src", writable=False)
+    if (out_code, in_code) not in _CAST_PAIRS:
         raise TypeError(
-            f"cast from {_CODE_NAMES[inp.code]} to {_CODE_NAMES[out.code]} is not supported; "
+            f"cast from {_CODE_NAMES[in_code]} to {_CODE_NAMES[out_code]} is not supported; "
             "supported: float32 <-> float16, float32 <-> bfloat16"
         )
-    if inp.array.size != out.array.size:
-        raise ValueError(f"src has {inp.array.size} elements but dst has {out.array.size}")
-    _check_disjoint([out, inp])
-    _core.cast(out.array, inp.array, out.code, inp.code)
+    if inp.size != out.size:
+        raise ValueError(f"src has {inp.size} elements but dst has {out.size}")
+    _core.cast(out, inp, out_code, in_code)
 
 
 def _optimizer_buffers(param: Any, grad: Any, **states: Any) -> dict[str, np.ndarray | None]:
-    """Validate the float32 buffers of an optimizer step: same size as ``param``, pairwise disjoint."""
-    p = _buffer(param, "param", writable=True)
-    buffers = [p, _buffer(grad, "grad", writable=False)]
-    buffers += [_buffer(x, name, writable=True) for name, x in states.items() if x is not None]
-    for b in buffers:
-        if b.code != _FLOAT32:
-            raise TypeError(f"{b.name} has dtype {_CODE_NAMES[b.code]}; the optimizer steps take float32")
-        if b.array.size != p.array.size:
-            raise ValueError(f"{b.name} has {b.array.size} elements but param has {p.array.size}")
-    _check_disjoint(buffers)
-    arrays: dict[str, np.ndarray | None] = dict.fromkeys(states)
-    arrays |= {b.name: b.array for b in buffers}
+    """Validate the float32 buffers of an optimizer step (as many elements as ``param``); None stays
+    None. The core rejects buffers that share memory."""
+    arrays: dict[str, np.ndarray | None] = {}
+    inputs = [("param", param, True), ("grad", grad, False), *((n, x, True) for n, x in states.items())]
+    for name, x, writable in inputs:
+        if x is None:
+            arrays[name] = None
+            continue
+        array, code = _buffer(x, name, writable=writable)
+        if code != _FLOAT32:
+            raise TypeError(f"{name} has dtype {_CODE_NAMES[code]}; the optimizer steps take float32")
+        size = arrays["param"].size if arrays else array.size  # type: ignore[union-attr]
+        if array.size != size:
+            raise ValueError(f"{name} has {array.size} elements but param has {size}")
+        arrays[name] = array
     return arrays
 
 

@@ -49,9 +49,9 @@ size_t sgd_apply(const SgdOptions& o, const SgdCoeffs& c, size_t begin, size_t e
     if (c.maximize) g = Ops::neg(g);
     if (c.wd_on) g = Ops::fmadd(p, wd, g);
     if (c.momentum_on) {
-      const V buf = c.first_step
-                        ? g
-                        : Ops::fmadd(g, one_minus_dampening, Ops::mul(Ops::load(o.momentum_buffer + i), momentum));
+      const V buf = c.first_step ? g
+                                 : Ops::fmadd(g, one_minus_dampening,
+                                              Ops::mul(Ops::load(o.momentum_buffer + i), momentum));
       Ops::store(o.momentum_buffer + i, buf);
       g = c.nesterov ? Ops::fmadd(buf, momentum, g) : buf;
     }

@@ -14,7 +14,8 @@ void sum_vec(void* dst, const void* const* srcs, size_t nsrc, size_t begin, size
   T* d = static_cast<T*>(dst);
   size_t i = begin;
   for (; i + 4 * w <= end; i += 4 * w) {
-    auto a0 = W::load(d + i), a1 = W::load(d + i + w), a2 = W::load(d + i + 2 * w), a3 = W::load(d + i + 3 * w);
+    auto a0 = W::load(d + i), a1 = W::load(d + i + w);
+    auto a2 = W::load(d + i + 2 * w), a3 = W::load(d + i + 3 * w);
     for (size_t k = 0; k < nsrc; ++k) {
       const T* s = static_cast<const T*>(srcs[k]) + i;
       a0 = W::add(a0, W::load(s));
