@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -396,3 +397,22 @@ def test_environment_malformed_value_names_the_variable() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "TAGPS_SIMD='sse9' is malformed" in out.stderr
+
+
+def test_concurrent_calls_from_threads(simd: str) -> None:
+    """The server's engine threads reduce at once (the GIL is released): results stay exact."""
+    rng = np.random.default_rng(5)
+    jobs = []
+    for _ in range(4):
+        dst = rng.standard_normal(300_001).astype(np.float32)
+        srcs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(3)]
+        jobs.append((dst, srcs, _sum_reference(dst, srcs)))
+
+    def work(job: tuple[np.ndarray, list[np.ndarray], np.ndarray]) -> None:
+        dst, srcs, _ = job
+        K.sum_into(dst, *srcs)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(work, jobs))
+    for dst, _, expected in jobs:
+        np.testing.assert_array_equal(dst, expected)
