@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     names = list(BASELINES)
     print(
-        f"\nsimulated iteration time on paper-testbed (ms)\n{'model':12s} {'batch':>5s} "
+        f"\nsimulated iteration time on paper-testbed (ms)\n{'model':17s} {'batch':>5s} "
         + " ".join(f"{n:>13s}" for n in names)
     )
     for model, row in times.items():
