@@ -201,6 +201,7 @@ class SearchResult:
         iters_to_beat_baseline: first iteration whose best plan was faster than the baseline (None: never).
         history: ``(iteration, best time so far)`` whenever the best improved.
         samples: searched nodes with their visit counts (for training), when requested.
+        context: the search context the samples refer to.
     """
 
     plan: Plan | None
@@ -213,6 +214,7 @@ class SearchResult:
     iters_to_beat_baseline: int | None
     history: list[tuple[int, float]]
     samples: list[NodeSample] = field(default_factory=list)
+    context: SearchContext | None = None
 
     @property
     def speedup(self) -> float:
@@ -423,7 +425,7 @@ class _Search:
         samples = self.samples(root) if self.keep_samples else []
         return SearchResult(
             plan, t, self.baseline, self.baseline_time, it, self.evaluations,
-            time.perf_counter() - start, beat, history, samples,
+            time.perf_counter() - start, beat, history, samples, self.ctx if self.keep_samples else None,
         )
 
     def finish(self) -> tuple[Plan | None, float]:

@@ -1,0 +1,213 @@
+"""Features of a search state for the heterogeneous GNN: op-group nodes, device-group nodes and their edges.
+
+A state is a partial plan of the MCTS (the actions of the groups decided so far; the others follow the
+first) plus the simulator's result for it. Node and edge features (all scaled to roughly unit range):
+
+- op-group node: compute time on the fastest device type at the full batch, parameter and activation
+  bytes, its position in the search order, whether it is decided and whether it is the one being decided,
+  its current option (one-hot allreduce/ps/mp), the share of device groups it uses, and the simulator's
+  feedback: when its backward finishes and how much of the iteration is left after it;
+- device-group node: device count, memory, peak FLOP/s, intra-group bandwidth, and the feedback: mean
+  utilisation and idle share, peak memory over capacity (max over its devices), out-of-memory;
+- op → op edges (both directions): bytes of the tensors between the groups at the full batch;
+- device ↔ device edges: bandwidth between the groups;
+- op ↔ device edges: the group's compute time on that device type at three batch sizes (per device of
+  the whole cluster, per device of that group, full batch) and whether the group is placed there now.
+
+Actions are encoded independently of the number of device groups: a mask over device groups (rows sum
+to one) and the option index, which is what lets one trained model serve any topology.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tagps.strategy.mcts import SEARCH_OPTIONS, Action, SearchContext
+from tagps.strategy.simulator import SimResult
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEV_FEATURES",
+    "EDGE_FEATURES",
+    "EDGE_TYPES",
+    "OP_FEATURES",
+    "ActionEncoding",
+    "StateGraph",
+    "encode_actions",
+    "state_graph",
+]
+
+OP_FEATURES = 13
+DEV_FEATURES = 8
+EDGE_TYPES: tuple[tuple[str, str, str], ...] = (
+    ("op", "feeds", "op"),
+    ("op", "fed_by", "op"),
+    ("dev", "link", "dev"),
+    ("op", "on", "dev"),
+    ("dev", "runs", "op"),
+)
+EDGE_FEATURES = {"feeds": 1, "fed_by": 1, "link": 1, "on": 4, "runs": 4}
+
+
+def _log(x: float, unit: float) -> float:
+    return math.log1p(max(x, 0.0) / unit)
+
+
+@dataclass
+class StateGraph:
+    """Tensors of one state: node features, edges and edge features per type, the group being decided."""
+
+    x: dict[str, torch.Tensor]
+    edge_index: dict[tuple[str, str, str], torch.Tensor]
+    edge_attr: dict[tuple[str, str, str], torch.Tensor]
+    current: int
+
+
+@dataclass
+class ActionEncoding:
+    """Actions as a ``[A, D]`` device-group mask (rows sum to 1), option indices ``[A]``, sizes ``[A]``."""
+
+    mask: torch.Tensor
+    option: torch.Tensor
+    size: torch.Tensor
+
+
+class _Static:
+    """The parts of the features that do not depend on the state (cached per search context)."""
+
+    def __init__(self, ctx: SearchContext) -> None:
+        import torch
+
+        sim, batch = ctx.sim, ctx.batch
+        ngroups, ndg = len(sim.groups), len(sim.dgroups)
+        fastest = max(range(ndg), key=lambda g: (sim.dtypes[g].peak_flops, -g))
+        position = {g: k for k, g in enumerate(ctx.order)}
+        op = np.zeros((ngroups, OP_FEATURES), dtype=np.float32)
+        for i, g in enumerate(sim.groups):
+            op[i, 0] = _log(sum(sim.group_time(i, fastest, float(batch))), 1e-3)
+            op[i, 1] = _log(g.param_bytes, 1 << 20)
+            op[i, 2] = _log(g.act_bytes * batch, 1 << 20)
+            op[i, 3] = position[i] / max(1, ngroups - 1)
+        self.op = op
+        dev = np.zeros((ndg, DEV_FEATURES), dtype=np.float32)
+        for k, g in enumerate(sim.dgroups):
+            dev[k, 0] = g.count / 8
+            dev[k, 1] = _log(g.memory_bytes, 1 << 30)
+            dev[k, 2] = sim.dtypes[k].peak_flops / 20e12
+            dev[k, 3] = _log(sim.bw[k][k], 1e9)
+        self.dev = dev
+        src, dst, nbytes = [], [], []
+        for (a, b), n in sim.edges:
+            src.append(a)
+            dst.append(b)
+            nbytes.append(_log(n * batch, 1 << 20))
+        ff = torch.tensor([src, dst], dtype=torch.long).reshape(2, -1)
+        fa = torch.tensor(nbytes, dtype=torch.float32).reshape(-1, 1)
+        links = [(a, b) for a in range(ndg) for b in range(ndg) if a != b]
+        li = torch.tensor(links, dtype=torch.long).reshape(-1, 2).t().contiguous()
+        la = torch.tensor([_log(sim.bw[a][b], 1e9) for a, b in links], dtype=torch.float32).reshape(-1, 1)
+        per_cluster = max(1.0, batch / sim.topology.num_devices)
+        times = np.zeros((ngroups, ndg, 3), dtype=np.float32)
+        for i in range(ngroups):
+            for k, g in enumerate(sim.dgroups):
+                for j, b in enumerate((per_cluster, max(1.0, batch / g.count), float(batch))):
+                    times[i, k, j] = _log(sum(sim.group_time(i, k, b)), 1e-3)
+        self.times = times
+        on = torch.tensor([[i for i in range(ngroups) for _ in range(ndg)],
+                           [k for _ in range(ngroups) for k in range(ndg)]], dtype=torch.long)
+        self.edge_index = {
+            ("op", "feeds", "op"): ff,
+            ("op", "fed_by", "op"): ff.flip(0),
+            ("dev", "link", "dev"): li,
+            ("op", "on", "dev"): on,
+            ("dev", "runs", "op"): on.flip(0),
+        }
+        self.edge_attr = {("op", "feeds", "op"): fa, ("op", "fed_by", "op"): fa, ("dev", "link", "dev"): la}
+        self.actions = _encode(ctx.actions, ndg)
+
+
+_STATIC: dict[int, tuple[SearchContext, _Static]] = {}
+
+
+def _static(ctx: SearchContext) -> _Static:
+    hit = _STATIC.get(id(ctx))
+    if hit is None or hit[0] is not ctx:
+        if len(_STATIC) > 64:
+            _STATIC.clear()
+        hit = _STATIC[id(ctx)] = (ctx, _Static(ctx))
+    return hit[1]
+
+
+def state_graph(ctx: SearchContext, decided: Sequence[Action], result: SimResult | None) -> StateGraph:
+    """Features of the state reached by ``decided`` (see the module docstring).
+
+    Args:
+        ctx: the search context.
+        decided: actions of the first groups of ``ctx.order``.
+        result: the simulation of the partial plan (None at the root: no feedback yet).
+    """
+    import torch
+
+    if len(decided) >= len(ctx.order):
+        raise ValueError("every op group is decided: there is no next group to score actions for")
+    st = _static(ctx)
+    sim = ctx.sim
+    ngroups, ndg = len(sim.groups), len(sim.dgroups)
+    op = st.op.copy()
+    dev = st.dev.copy()
+    placed = np.zeros((ngroups, ndg), dtype=np.float32)
+    if decided:
+        per_group = [decided[0]] * ngroups
+        for level, action in enumerate(decided):
+            per_group[ctx.order[level]] = action
+            op[ctx.order[level], 4] = 1.0
+        for i, action in enumerate(per_group):
+            op[i, 6 + SEARCH_OPTIONS.index(action.option)] = 1.0
+            placed[i, list(action.devices)] = 1.0
+            op[i, 9] = len(action.devices) / ndg
+    current = ctx.order[len(decided)]
+    op[current, 5] = 1.0
+    if result is not None:
+        t = result.iteration_time or 1.0
+        for i, finish in enumerate(result.group_finish):
+            op[i, 10] = finish / t
+            op[i, 11] = 1.0 - finish / t
+        op[:, 12] = 1.0 if result.feasible else -1.0
+        util = result.utilization()
+        for k, g in enumerate(sim.dgroups):
+            names = g.devices()
+            dev[k, 4] = sum(util[d] for d in names) / len(names)
+            dev[k, 5] = sum(result.idle[d] for d in names) / len(names) / t
+            dev[k, 6] = max(result.peak_memory[d] for d in names) / g.memory_bytes
+            dev[k, 7] = 1.0 if any(d in result.oom_devices for d in names) else 0.0
+    on_attr = np.concatenate([st.times.reshape(-1, 3), placed.reshape(-1, 1)], axis=1)
+    on = torch.from_numpy(on_attr)
+    edge_attr = dict(st.edge_attr)
+    edge_attr[("op", "on", "dev")] = on
+    edge_attr[("dev", "runs", "op")] = on
+    return StateGraph(
+        {"op": torch.from_numpy(op), "dev": torch.from_numpy(dev)}, st.edge_index, edge_attr, current
+    )
+
+
+def _encode(actions: Sequence[Action], ndg: int) -> ActionEncoding:
+    import torch
+
+    mask = torch.zeros(len(actions), ndg)
+    for a, action in enumerate(actions):
+        mask[a, list(action.devices)] = 1.0 / len(action.devices)
+    option = torch.tensor([SEARCH_OPTIONS.index(a.option) for a in actions], dtype=torch.long)
+    size = torch.tensor([len(a.devices) / ndg for a in actions], dtype=torch.float32)
+    return ActionEncoding(mask, option, size)
+
+
+def encode_actions(ctx: SearchContext) -> ActionEncoding:
+    """The encoding of ``ctx.actions`` (cached with the context's static features)."""
+    return _static(ctx).actions

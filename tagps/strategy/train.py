@@ -1,0 +1,196 @@
+"""Train the GNN prior the AlphaZero way: cross-entropy to MCTS visit distributions.
+
+``python -m tagps.strategy.train --seed 0`` runs rounds of self-play: each episode searches one reference
+model on one topology (seeded random topologies following the TAG paper, plus the paper's two presets)
+with the current network as the prior (uniform in the first round), keeps every node the search visited
+at least a few times with the distribution of its visits, and then trains the network on all episodes so
+far to predict those distributions:
+
+.. math::
+    \\mathcal{L} = -\\sum_{s}\\sum_{a} \\pi_s(a)\\,\\log \\mathrm{softmax}(z_s)_a, \\qquad
+    \\pi_s(a) = \\frac{n(s, a)}{\\sum_b n(s, b)}
+
+The defaults stay within about ten minutes on two CPU cores and the weights (~150 KB) are written with the
+command, seed and figures of the run (``tagps/strategy/weights/tag_gnn.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tagps.models import MODELS, default_batch_size
+from tagps.strategy.gnn import DEFAULT_WEIGHTS, GNNConfig, GNNPrior, TagGNN
+from tagps.strategy.graph import model_graph
+from tagps.strategy.grouping import Grouping, group_ops
+from tagps.strategy.mcts import NodeSample, SearchConfig, SearchContext, search
+from tagps.strategy.simulator import Simulator
+from tagps.strategy.topology import PRESETS, Topology, random_topology
+
+__all__ = ["TrainConfig", "main", "train"]
+
+REFERENCE_MODELS = ("vgg19", "resnet101", "inceptionv3", "transformer", "bert-large", "gpt2")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of :func:`train`.
+
+    Args:
+        seed: seeds the topologies, the episodes' order, the searches and the network.
+        rounds: self-play rounds (default 3).
+        episodes: searches per round (default 12).
+        iterations: MCTS iterations per search (default 300).
+        groups: op groups per model (default 24; fewer than the planner's 60 keeps episodes short).
+        epochs: passes over all samples after each round (default 4).
+        lr: Adam learning rate (default 3e-3).
+        minutes: stop self-play and training after this much wall time (default 12).
+        exclude: reference models left out (for hold-out studies).
+    """
+
+    seed: int = 0
+    rounds: int = 3
+    episodes: int = 12
+    iterations: int = 300
+    groups: int = 24
+    epochs: int = 4
+    lr: float = 3e-3
+    minutes: float = 12.0
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "episodes", "iterations", "groups", "epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {value!r}")
+        if not self.lr > 0 or not self.minutes > 0:
+            raise ValueError("TrainConfig.lr and TrainConfig.minutes must be > 0")
+        unknown = set(self.exclude) - set(MODELS)
+        if unknown:
+            raise ValueError(f"cannot exclude unknown models {sorted(unknown)}")
+        if not set(REFERENCE_MODELS) - set(self.exclude):
+            raise ValueError("every reference model is excluded: nothing to train on")
+
+
+def _episode_topology(rng: random.Random, episode: int) -> Topology:
+    if episode % 6 == 5:
+        return PRESETS[rng.choice(sorted(PRESETS))]()
+    return random_topology(rng.randrange(1 << 30))
+
+
+def _loss(prior: GNNPrior, ctx: SearchContext, sample: NodeSample) -> torch.Tensor:
+    logits = prior.logits(ctx, sample.decided, sample.result, sample.legal)
+    target = torch.as_tensor(sample.visits, dtype=torch.float32)
+    target = target / target.sum()
+    return -(target * torch.log_softmax(logits, dim=0)).sum()
+
+
+def train(config: TrainConfig, log: bool = True) -> tuple[GNNPrior, dict[str, float | int]]:
+    """Run self-play and training; return the trained prior and the run's figures."""
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(1)
+    rng = random.Random(config.seed)
+    models = [m for m in REFERENCE_MODELS if m not in config.exclude]
+    groupings: dict[str, Grouping] = {}
+    net = TagGNN(GNNConfig())
+    prior = GNNPrior(net)
+    optimizer = torch.optim.Adam(net.parameters(), lr=config.lr)
+    data: list[tuple[SearchContext, NodeSample]] = []
+    start = time.perf_counter()
+    deadline = start + 60 * config.minutes
+    episodes = 0
+    last_loss = float("nan")
+    for round_ in range(config.rounds):
+        for e in range(config.episodes):
+            if time.perf_counter() > deadline:
+                break
+            model = models[(round_ * config.episodes + e) % len(models)]
+            topo = _episode_topology(rng, e)
+            graph = model_graph(model)
+            if model not in groupings:
+                groupings[model] = group_ops(graph, config.groups, config.seed)
+            sim = Simulator(graph, groupings[model], topo)
+            result = search(
+                sim,
+                default_batch_size(model),
+                SearchConfig(iterations=config.iterations, seed=rng.randrange(1 << 30), sfb=False),
+                model=prior if round_ else None,
+                keep_samples=True,
+            )
+            ctx = result.context
+            data += [(ctx, s) for s in result.samples] if ctx is not None else []
+            episodes += 1
+            if log:
+                print(f"round {round_} episode {e}: {model} on {topo.name}: speed-up {result.speedup:.2f}, "
+                      f"{len(result.samples)} samples, {time.perf_counter() - start:.0f} s", flush=True)
+        net.train()
+        for _ in range(config.epochs):
+            if time.perf_counter() > deadline:
+                break
+            order = list(range(len(data)))
+            rng.shuffle(order)
+            total = 0.0
+            for k in range(0, len(order), 16):
+                optimizer.zero_grad()
+                losses = [_loss(prior, *data[j]) for j in order[k : k + 16]]
+                loss = torch.stack(losses).mean()
+                loss.backward()
+                optimizer.step()
+                total += float(loss.detach()) * len(losses)
+            last_loss = total / max(1, len(data))
+            if log:
+                print(f"round {round_}: {len(data)} samples, loss {last_loss:.4f}", flush=True)
+        net.eval()
+    figures = {
+        "episodes": episodes,
+        "samples": len(data),
+        "final_loss": last_loss,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    return prior, figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m tagps.strategy.train --seed N [--out FILE] [...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tagps.strategy.train", description=__doc__.splitlines()[0]
+    )
+    defaults = TrainConfig()
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--rounds", type=int, default=defaults.rounds)
+    parser.add_argument("--episodes", type=int, default=defaults.episodes)
+    parser.add_argument("--iterations", type=int, default=defaults.iterations)
+    parser.add_argument("--groups", type=int, default=defaults.groups)
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--minutes", type=float, default=defaults.minutes)
+    parser.add_argument("--exclude", action="append", default=[], help="leave a reference model out")
+    parser.add_argument("--out", default=str(DEFAULT_WEIGHTS), help="weights file (a .json note goes beside)")
+    args = parser.parse_args(argv)
+    try:
+        config = TrainConfig(
+            seed=args.seed, rounds=args.rounds, episodes=args.episodes, iterations=args.iterations,
+            groups=args.groups, epochs=args.epochs, minutes=args.minutes, exclude=tuple(args.exclude),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    prior, figures = train(config)
+    command = "python -m tagps.strategy.train " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {"command": command, "seed": config.seed, "torch": torch.__version__, **figures,
+            "exclude": list(config.exclude)}
+    out = Path(args.out)
+    prior.save(out, meta)
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"weights written to {out} ({out.stat().st_size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
