@@ -197,6 +197,110 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
     show.set_defaults(func=_run_topology)
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tagps.models import MODELS, default_batch_size
+    from tagps.strategy.mcts import SearchConfig
+    from tagps.strategy.planner import parse_budget, plan_model
+    from tagps.strategy.report import summary
+    from tagps.strategy.topology import load_topology
+
+    try:
+        budget = parse_budget(args.budget)
+        config = SearchConfig(
+            iterations=budget.iterations, seconds=budget.seconds, seed=args.seed,
+            data_parallel=args.data_parallel, sfb=not args.no_sfb,
+        )
+        topology = load_topology(args.topology)
+        if args.batch:
+            batch = args.batch
+        elif args.model in MODELS:
+            batch = default_batch_size(args.model)
+        else:
+            raise ValueError("--batch is required for a model given as pkg.module:factory")
+        prior = None
+        if args.prior == "gnn":
+            from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior
+
+            prior = load_prior(args.weights or DEFAULT_WEIGHTS)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tagps plan: {exc}", file=sys.stderr)
+        return 2
+    total = budget.iterations if budget.iterations is not None else budget.seconds
+    unit = "it" if budget.iterations is not None else "s"
+    with tqdm(total=total, unit=unit, desc="searching", disable=args.quiet) as bar:
+        clock = [0.0]
+
+        def progress(iteration: int, best: float | None) -> None:
+            if budget.iterations is not None:
+                bar.update(1)
+            else:
+                now = bar.format_dict["elapsed"]
+                bar.update(min(now, total) - clock[0])
+                clock[0] = min(now, total)
+            if best is not None and iteration % 10 == 0:
+                bar.set_postfix_str(f"best {best * 1e3:.2f} ms", refresh=False)
+
+        try:
+            result, sim = plan_model(args.model, topology, batch, config, prior, args.groups, progress)
+        except ValueError as exc:
+            print(f"tagps plan: {exc}", file=sys.stderr)
+            return 2
+    if result.plan is None:
+        print(f"tagps plan: no plan fits in memory after {result.iterations} iterations", file=sys.stderr)
+        return 1
+    print(summary(result.plan, sim))
+    print(f"search: {result.iterations} iterations, {result.evaluations} simulations, "
+          f"{result.seconds:.1f} s, prior {args.prior}")
+    result.plan.save(args.output)
+    print(f"plan written to {args.output}")
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search a strategy with MCTS (GNN prior) and write it as JSON")
+    p.add_argument("--model", required=True, help="reference model or pkg.module:factory")
+    p.add_argument("--topology", default="paper-testbed", help="preset, random:<seed> or a YAML/JSON file")
+    p.add_argument("--batch", type=int, default=0, help="global batch size (default: the model's)")
+    p.add_argument("--budget", default="60s", help="wall time (60s, 2m) or iterations (500, 500it)")
+    p.add_argument("--groups", type=int, default=60, help="op groups (METIS)")
+    p.add_argument("--seed", type=int, default=0, help="seed of METIS and the search")
+    p.add_argument("--prior", choices=("gnn", "uniform"), default="gnn", help="MCTS prior")
+    p.add_argument("--weights", help="GNN weights (default: the shipped ones)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="only plans the first runtime executes (every group on the same devices)")
+    p.add_argument("--no-sfb", action="store_true", help="skip the SFB solver")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_show(args: argparse.Namespace) -> int:
+    from tagps.strategy.plan import PlanError, load
+    from tagps.strategy.planner import simulator_for_plan
+    from tagps.strategy.report import render_png, summary
+
+    try:
+        plan = load(args.plan)
+        sim = simulator_for_plan(plan)
+    except (PlanError, ValueError) as exc:
+        print(f"tagps show: {exc}", file=sys.stderr)
+        return 2
+    png = args.png or str(Path(args.plan).with_suffix(".png"))
+    result = render_png(plan, sim, png)
+    print(summary(plan, sim, result))
+    print(f"picture written to {png}")
+    return 0
+
+
+def _add_show(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="print a plan and draw its placement and simulated timeline (PNG)")
+    p.add_argument("plan", help="plan JSON file")
+    p.add_argument("--png", help="picture to write (default: the plan's name with .png)")
+    p.set_defaults(func=_run_show)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the `tagps` command."""
     parser = argparse.ArgumentParser(prog="tagps", description=__doc__.splitlines()[0])
@@ -205,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster(sub)
     _add_simulate(sub)
     _add_topology(sub)
+    _add_plan(sub)
+    _add_show(sub)
     return parser
 
 
