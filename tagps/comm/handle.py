@@ -47,6 +47,10 @@ class Handle:
         """Return whether :meth:`wait` would return without blocking."""
         return self._finish is None or all(w.is_completed() for w in self._works)
 
+    def is_completed(self) -> bool:
+        """Same as :meth:`done`; makes a handle a :class:`Waitable` that other handles can wait for."""
+        return self.done()
+
     def wait(self) -> torch.Tensor:
         """Block until the synchronisation finished and return its result."""
         with self._lock:

@@ -96,7 +96,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         index = {p: i for i, p in enumerate(self._params)}
         self._priority = {p: -index[p] for p in self._params}
-        self._order = [p for p in reversed(self._params) if self._method[p] in ("allreduce", "sfb")]
+        self._units = _units(
+            [p for p in reversed(self._params) if self._method[p] in ("allreduce", "sfb")],
+            self._method,
+            st.cfg.fusion_bytes,
+        )
+        self._flat: dict[int, torch.Tensor] = {}
         self._next = 0
         self._ready: set[nn.Parameter] = set()
         self._passes: dict[nn.Parameter, int] = {}
@@ -161,7 +166,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if self._method[p] == "ps" and p not in self._handles:
                 self._handles[p] = self._launch(p)
-        self._ready.update(self._order[self._next :])
+        for unit in self._units[self._next :]:
+            self._ready.update(unit)
         self._drain()
         try:
             for handle in self._handles.values():
@@ -203,10 +209,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._drain()
 
     def _drain(self) -> None:
-        while self._next < len(self._order) and self._order[self._next] in self._ready:
-            p = self._order[self._next]
-            self._handles[p] = self._launch(p)
+        """Start, in the fixed order, every collective unit whose gradients are all ready."""
+        while self._next < len(self._units) and all(p in self._ready for p in self._units[self._next]):
+            unit = self._units[self._next]
+            handle = self._launch(unit[0]) if len(unit) == 1 else self._launch_fused(self._next, unit)
+            for p in unit:
+                self._handles[p] = handle
             self._next += 1
+
+    def _launch_fused(self, index: int, unit: list[nn.Parameter]) -> Handle:
+        """All-reduce the gradients of ``unit`` as one flat buffer (kept between steps)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in unit]
+        flat = self._flat.get(index)
+        if flat is None:
+            flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+            self._flat[index] = flat
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        inner = ops.start_sum(
+            flat,
+            method="allreduce",
+            name=f"{self._keys[unit[0]]}+{len(unit) - 1}",
+            compression=self._compression,
+            prescale=self._weight,
+        )
+
+        def finish() -> torch.Tensor:
+            offset = 0
+            for p, g in zip(unit, grads, strict=True):
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+                p.grad = g
+            return flat
+
+        return Handle([inner], finish, keep=(flat,))
 
     def _launch(self, p: nn.Parameter) -> Handle:
         method = self._method[p]
@@ -239,6 +274,32 @@ def _remove(hooks: list[Any], sfb: SufficientFactors | None) -> None:
         h.remove()
     if sfb is not None:
         sfb.close()
+
+
+def _units(
+    order: list[nn.Parameter], method: dict[nn.Parameter, str], fusion_bytes: int
+) -> list[list[nn.Parameter]]:
+    """Cut the collective order into launch units: runs of all-reduced gradients of one dtype and device
+    fused up to ``fusion_bytes``, and every SFB weight alone. The cut depends only on the model, so it is
+    the same on every worker."""
+    units: list[list[nn.Parameter]] = []
+    size = 0
+    for p in order:
+        nbytes = p.numel() * p.element_size()
+        last = units[-1] if units else None
+        if (
+            method[p] == "allreduce"
+            and last is not None
+            and method[last[0]] == "allreduce"
+            and (last[0].dtype, last[0].device) == (p.dtype, p.device)
+            and size + nbytes <= fusion_bytes
+        ):
+            last.append(p)
+            size += nbytes
+        else:
+            units.append([p])
+            size = nbytes
+    return units
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

@@ -287,3 +287,17 @@ def test_top_level_distributed_optimizer(world_of_one: None) -> None:
     opt.step()
     with pytest.raises(TypeError, match="no tagps adapter"):
         tagps.DistributedOptimizer(object())
+
+
+def test_fusion_units_are_deterministic_runs() -> None:
+    from tagps.torch.optimizer import _units
+
+    f32, f64 = torch.float32, torch.float64
+    shapes = [(4, f32), (4, f32), (300, f32), (2, f32), (2, f64), (2, f64), (8, f32)]
+    ps = [nn.Parameter(torch.zeros(n, dtype=d)) for n, d in shapes]
+    method = dict.fromkeys(ps, "allreduce")
+    method[ps[3]] = "sfb"
+    index = {id(p): i for i, p in enumerate(ps)}
+    cut = [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=64)]
+    assert cut == [[0, 1], [2], [3], [4, 5], [6]]
+    assert [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=0)] == [[i] for i in range(7)]
