@@ -231,6 +231,14 @@ class SummationServer:
             self._reply_error(self._data, identity, header, exc)
             return
         self._queues[state.engine].put((header, identity, worker, payload))
+        if header.op == Op.PUSH:
+            # Return the worker's credit as soon as the bytes are here, whatever the other workers do (so
+            # workers that order chunks differently cannot deadlock). A push the engine then rejects
+            # still gets its ERROR, which fails that worker.
+            ack = pack_header(
+                Op.PUSH_ACK, sender=self.node_id, key=header.key, round=header.round, dtype=header.dtype
+            )
+            self._data.send_multipart([identity, ack])
 
     def _worker_index(self, identity: bytes, sender: int) -> int:
         worker = (sender - 9) // 2
@@ -347,9 +355,6 @@ class SummationServer:
             raise _Reject(f"worker {worker} pushed key {st.key} twice in round {round}")
         elif st.frames and average != st.average:
             raise _Reject(f"workers disagree on average= for key {st.key} round {round}")
-        # The ack returns the worker's credit at once, whatever the other workers do (no window deadlock).
-        head = pack_header(Op.PUSH_ACK, sender=self.node_id, key=st.key, round=round, dtype=st.dtype)
-        out.send_multipart([identity, head])
         dtype = numpy_dtype(st.dtype)
         if self.config.enable_async and st.value is not None:
             grad = np.frombuffer(payload.buffer, dtype)
