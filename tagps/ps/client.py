@@ -21,6 +21,7 @@ import heapq
 import itertools
 import json
 import logging
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -212,7 +213,7 @@ class PSClient:
 
         Raises:
             ValueError: duplicate name, bad size or ``init`` of the wrong size.
-            TypeError: unsupported dtype.
+            TypeError: unsupported dtype, or a size that is not an integer.
         """
         self._check_open()
         dt = np.dtype(dtype)
@@ -221,7 +222,10 @@ class PSClient:
             raise ValueError("tensor name must be a non-empty string")
         if name in self._tensors or any(t.name == name for t in self._pending):
             raise ValueError(f"tensor {name!r} is already declared")
-        if not isinstance(nbytes, int) or nbytes < 0 or nbytes % dt.itemsize:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+            raise TypeError(f"nbytes for {name!r} must be an integer, got {type(nbytes).__name__}")
+        nbytes = int(nbytes)
+        if nbytes < 0 or nbytes % dt.itemsize:
             raise ValueError(
                 f"nbytes={nbytes!r} for {name!r} must be a non-negative multiple of {dt.itemsize}"
             )
