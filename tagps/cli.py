@@ -8,7 +8,6 @@ stays fast.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,16 +19,23 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 def _run_demo(args: argparse.Namespace) -> int:
-    # Until the runtime can run a whole job, the demo is the kernel benchmark in quick mode.
-    return subprocess.call([sys.executable, str(REPO / "bench" / "kernels.py"), "--quick"])
+    from tagps.cluster.demo import demo
+
+    if args.steps < 1:
+        raise SystemExit("tagps demo: --steps must be >= 1")
+    demo(steps=args.steps, local=args.local)
+    return 0
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the main job on an embedded default cluster")
+    p = sub.add_parser(
+        "demo",
+        help="plan vgg-mini for an embedded cluster (emulated with root, else local processes), train it "
+        "with the plan and with DDP all-reduce, compare measured and predicted step times",
+    )
+    p.add_argument("--steps", type=int, default=30, help="timed training steps per strategy (default 30)")
+    p.add_argument("--local", action="store_true", help="local processes even where root allows namespaces")
     p.set_defaults(func=_run_demo)
 
 

@@ -1,0 +1,148 @@
+"""Plans against measurements: run a plan's training job (emulated cluster or local processes), predict it.
+
+The pieces the demo (``tagps demo``) and the end-to-end benchmark (``bench/e2e_cluster.py``) share:
+
+- :class:`Executor`: where jobs run, an emulated :class:`~tagps.cluster.run.Cluster` (devices are its
+  worker slots) or local processes on 127.0.0.1 (one device group ``local``), with the measured topology;
+- :func:`run_plan`: start the plan's job (one :mod:`tagps.cluster.train` worker per device with a share,
+  servers where the plan puts them) and return rank 0's measurements;
+- :func:`ddp_plan`: the plan that models ``DistributedDataParallel`` (even shares, all-reduce overlapped
+  with backward in 25 MiB buckets), so the simulator can predict the DDP baseline too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tagps.strategy.plan import CommSettings, Plan
+from tagps.strategy.topology import DeviceGroup, Topology
+
+__all__ = ["DDP_BUCKET_BYTES", "Executor", "ddp_plan", "local_executor", "plan_servers", "run_plan"]
+
+DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
+
+
+@dataclass
+class Executor:
+    """Where jobs run, and the topology measured there.
+
+    Args:
+        topology: the measured topology (device groups named like the machines, or ``local``).
+        cluster: the emulated cluster, or ``None`` for local processes on 127.0.0.1.
+    """
+
+    topology: Topology
+    cluster: Any = None
+
+    @property
+    def where(self) -> str:
+        """A short description for tables."""
+        if self.cluster is None:
+            return f"{self.topology.num_devices} local processes on 127.0.0.1"
+        return f"emulated cluster {self.cluster.spec.name!r} ({len(self.cluster.spec.machines)} namespaces)"
+
+
+def local_executor(devices: int, probe_seconds: float = 0.3) -> Executor:
+    """An executor of ``devices`` local worker processes; measures loopback and this core first.
+
+    Each device is one process with one thread; with more devices than cores they share the cores, so a
+    device's ``peak_flops`` is the core's matmul rate times ``min(1, cores / devices)``.
+    """
+    from tagps.calibrate import measure_core
+    from tagps.cluster.measure import measure_pair
+    from tagps.launcher import free_ports
+
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    link = measure_pair(list, list, "127.0.0.1", free_ports(1)[0], probe_seconds)
+    flops, _ = measure_core()
+    share = min(1.0, (os.cpu_count() or 1) / devices)
+    gbps = round(link.bandwidth_Bps * 8 / 1e9, 4)
+    group = DeviceGroup("local", "CPU", devices, gbps, peak_flops=round(flops * share, -6))
+    return Executor(
+        Topology("local", (group,), gbps, intra_latency_s=link.rtt_s / 2, inter_latency_s=link.rtt_s / 2)
+    )
+
+
+def plan_servers(plan: Plan) -> dict[str, int]:
+    """Summation servers a plan needs: one per device group the plan puts a PS server on (none without ps)."""
+    ps_groups = {g.group for g in plan.gradients.values() if g.sync == "ps"}
+    if not ps_groups:
+        return {}
+    names = plan.ps_servers or tuple(
+        dict.fromkeys(name for i in sorted(ps_groups) for name in plan.groups[i].placement)
+    )
+    return {name: 1 for name in names}
+
+
+def ddp_plan(sim: Any, batch: int, optimizer: str = "adam") -> Plan:
+    """The data-parallel plan that ``DistributedDataParallel`` executes (even shares, 25 MiB buckets)."""
+    from tagps.strategy.baselines import data_parallel_plan, even_shares
+
+    comm = CommSettings(overlap=True, fusion_bytes=DDP_BUCKET_BYTES)
+    return data_parallel_plan(sim, batch, even_shares(sim, batch), comm=comm, optimizer=optimizer)
+
+
+def run_plan(
+    executor: Executor,
+    model: str,
+    plan: Plan,
+    runtime: str = "tagps",
+    steps: int = 20,
+    warmup: int = 3,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` with ``plan`` for ``warmup + steps`` steps and return rank 0's JSON result.
+
+    Args:
+        executor: where to run.
+        model: registry model name (the plan's model).
+        plan: a data-parallel plan for ``executor.topology``'s devices.
+        runtime: ``tagps`` (the plan's sync methods) or ``ddp`` (DistributedDataParallel over gloo).
+        steps: timed steps.
+        warmup: untimed steps first.
+        env: extra environment of the processes.
+
+    Raises:
+        ValueError: the plan is not data-parallel or names devices the executor does not have.
+        RuntimeError: the job failed (the message holds the end of its output).
+    """
+    from tagps.launcher import local_job, run_processes
+
+    if plan.kind != "data-parallel":
+        raise ValueError(f"the runtime executes data-parallel plans; this one is {plan.kind!r}")
+    devices = plan.devices()
+    known = executor.topology.devices()
+    if any(d not in known for d in devices):
+        raise ValueError(f"plan devices {devices} are not all in the executor's topology {known}")
+    servers = plan_servers(plan)
+    full_env = {**os.environ, **(env or {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path, out = Path(tmp) / "plan.json", Path(tmp) / "result.json"
+        plan.save(plan_path)
+        command = [
+            sys.executable, "-m", "tagps.cluster.train", "--model", model, "--plan", str(plan_path),
+            "--runtime", runtime, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out),
+        ]  # fmt: skip
+        with tempfile.TemporaryFile() as log:
+            if executor.cluster is None:
+                job = local_job(command, len(devices), sum(servers.values()), 1, full_env)
+                status = run_processes(job, out=log)
+            else:
+                status = executor.cluster.run(
+                    command, devices=devices, servers=servers, env=full_env, out=log
+                )
+            if status != 0 or not out.is_file():
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-4000:]
+                raise RuntimeError(
+                    f"training job of {model} ({runtime}) failed with status {status}:\n{tail}"
+                )
+        return json.loads(out.read_text())
