@@ -41,11 +41,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _run_cluster_down(args: argparse.Namespace) -> int:
     from tagps.cluster import ClusterError
-    from tagps.cluster.run import down_all
+    from tagps.cluster.run import down, down_all
+    from tagps.cluster.spec import load_spec
 
     try:
-        removed = down_all()
-    except ClusterError as exc:
+        removed = down(load_spec(args.spec).name) if args.spec else down_all()
+    except (ClusterError, ValueError) as exc:
         print(f"tagps cluster down: {exc}", file=sys.stderr)
         return 1
     print(
@@ -135,6 +136,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     down = cluster.add_parser(
         "down", help="remove every tagps- namespace, link, cgroup and record (also after a crash)"
     )
+    down.add_argument("spec", nargs="?", help="remove only the cluster of this spec (default: all)")
     down.set_defaults(func=_run_cluster_down)
 
 

@@ -36,7 +36,7 @@ from tagps.cluster.spec import ClusterSpec, MachineSpec, load_spec
 from tagps.launcher import ProcessSpec, run_processes
 from tagps.strategy.topology import DeviceGroup, Link, Topology
 
-__all__ = ["STATE_DIR", "Cluster", "attach", "down_all", "up"]
+__all__ = ["STATE_DIR", "Cluster", "attach", "down", "down_all", "up"]
 
 STATE_DIR = Path("/run/tagps")
 _PROBE_PORT = 7000
@@ -323,6 +323,23 @@ def attach(name: str) -> Cluster | None:
         return None
     groups = {m: cg.CpuCgroup(Path(p), v, c) for m, (p, v, c) in state["cgroups"].items()}
     return Cluster(spec, netns.Network(state["index"], nodes, state["mtu"]), groups)
+
+
+def down(name: str) -> list[str]:
+    """Remove the cluster ``name`` recorded by :func:`up` (also after a crash of whatever ran it).
+
+    Returns:
+        What it removed (empty when no cluster of that name is recorded).
+    """
+    netns.check_support()
+    cluster = attach(name)
+    if cluster is None:
+        return []
+    removed = [n.netns for n in cluster.network.nodes.values()] + [cluster.network.bridge]
+    removed += [str(g.path) for g in cluster.cgroups.values()]
+    cluster.down()
+    netns.down_all(cluster.network.index)
+    return [*removed, str(_state_path(name))]
 
 
 def down_all() -> list[str]:

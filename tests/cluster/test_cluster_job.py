@@ -1,0 +1,226 @@
+"""tagps.cluster specs, jobs and teardown: a two-namespace cluster runs a tiny training job end to end.
+
+The tests that build clusters need root, network namespaces and a CPU cgroup controller; they skip with
+the reason otherwise. They remove only their own cluster (``tagps cluster down SPEC``), never others'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tagps.cluster import ClusterError, LinkLimit, Network, Node, check_support
+from tagps.cluster import cgroup as cg
+from tagps.cluster.run import STATE_DIR, Cluster, attach, up
+from tagps.cluster.spec import ClusterSpec, MachineSpec, load_spec
+
+SPEC = {
+    "name": "t-job",
+    "machines": [
+        {"name": "a", "workers": 1, "servers": 1, "cpu": 0.9, "rate_mbit": 200},
+        {"name": "b", "workers": 1, "cpu": 0.5, "rate_mbit": 100},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def root_cluster() -> None:
+    """Skip, with the reason, where clusters cannot be built (not root, no netns, no CPU cgroups)."""
+    try:
+        check_support()
+        cg.cgroup_root()
+    except ClusterError as exc:
+        pytest.skip(f"needs root, network namespaces and a CPU cgroup controller: {exc}")
+
+
+def _leftovers(index: int, name: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    found = [line.split()[0] for line in ns.splitlines() if line.startswith(f"tagps-{index}-")]
+    found += [
+        line.split(": ")[1].split("@")[0]
+        for line in links.splitlines()
+        if line.split(": ")[1].startswith((f"tagps-{index}b", f"tagps-{index}v"))
+    ]
+    root, _ = cg.cgroup_root()
+    found += [str(p) for p in root.glob(f"tagps-{index}-*")]
+    if (STATE_DIR / f"cluster-{name}.json").exists():
+        found.append(f"record of {name}")
+    return found
+
+
+# ---------------------------------------------------------------------- specs (no root needed)
+def test_spec_round_trip_and_devices(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(SPEC))
+    spec = load_spec(path)
+    assert spec.devices() == ["a:0", "b:0"]
+    assert spec.num_servers == 1
+    assert ClusterSpec.from_dict(spec.to_dict()) == spec
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("name: y\nmachines:\n  - {name: m, workers: 2, cpu: 0.5}\n")
+    assert load_spec(yaml_path).devices() == ["m:0", "m:1"]
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"machines": []}, "non-empty list"),
+        ({"machines": [{"name": "A"}]}, "bad machine name"),
+        ({"machines": [{"name": "a", "workers": -1}]}, "workers must be an integer >= 0"),
+        ({"machines": [{"name": "a", "workers": 0}]}, "runs nothing"),
+        ({"machines": [{"name": "a", "cpu": 0}]}, "cpu must be >= 0.01"),
+        ({"machines": [{"name": "a", "rate_mbit": 0}]}, "rate_mbit must be > 0"),
+        ({"machines": [{"name": "a", "speed": 1}]}, "unknown keys"),
+        ({"machines": [{"name": "a"}, {"name": "a"}]}, "duplicate machine names"),
+        ({"machines": [{"name": "s", "workers": 0, "servers": 1}]}, "no machine has workers"),
+        ({"machines": [{"name": "a"}], "extra": 1}, "unknown keys"),
+    ],
+)
+def test_bad_specs_name_the_problem(data: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ClusterSpec.from_dict(data)
+
+
+def test_missing_spec_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a file"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def _offline_cluster(spec: ClusterSpec) -> Cluster:
+    nodes = {
+        m.name: Node(m.name, f"tagps-9-{m.name}", f"198.18.9.{i + 1}", f"tagps-9v{i}", LinkLimit())
+        for i, m in enumerate(spec.machines)
+    }
+    return Cluster(spec, Network(9, nodes, 1500), {})
+
+
+def test_job_layout_uniform_machines_are_bytesps_workers_with_local_ranks() -> None:
+    spec = ClusterSpec("u", (MachineSpec("a", 2, 1), MachineSpec("b", 2)))
+    specs = _offline_cluster(spec).job(["train"], env={"DMLC_ROLE": "stale", "KEEP": "1"})
+    labels = [s.label for s in specs]
+    assert labels == ["scheduler@a", "server a.0", "worker a:0", "worker a:1", "worker b:0", "worker b:1"]
+    workers = [s.env for s in specs if s.label.startswith("worker")]
+    assert [(e["DMLC_WORKER_ID"], e["BYTEPS_LOCAL_RANK"], e["BYTEPS_LOCAL_SIZE"]) for e in workers] == [
+        ("0", "0", "2"),
+        ("0", "1", "2"),
+        ("1", "0", "2"),
+        ("1", "1", "2"),
+    ]
+    assert {e["DMLC_PS_ROOT_URI"] for e in workers} == {"198.18.9.1"}
+    assert [e["DMLC_NODE_HOST"] for e in workers] == ["198.18.9.1"] * 2 + ["198.18.9.2"] * 2
+    assert all(e["DMLC_NUM_WORKER"] == "2" and e["DMLC_NUM_SERVER"] == "1" for e in workers)
+    assert all(e["KEEP"] == "1" and e["DMLC_ROLE"] == "worker" for e in workers)
+    assert specs[0].env["DMLC_ROLE"] == "scheduler" and specs[0].service
+    assert "tagps-9-b" in specs[-1].argv and specs[-1].argv[-1] == "train"
+
+
+def test_job_layout_uneven_machines_make_one_worker_per_device() -> None:
+    spec = ClusterSpec("v", (MachineSpec("a", 2), MachineSpec("b", 1)))
+    specs = _offline_cluster(spec).job(["train"], devices=["a:1", "b:0"])
+    assert [s.label for s in specs] == ["worker a:1", "worker b:0"]  # no servers: no scheduler
+    assert [(s.env["DMLC_WORKER_ID"], s.env["BYTEPS_LOCAL_SIZE"]) for s in specs] == [("0", "1"), ("1", "1")]
+    with pytest.raises(ValueError, match="machine-major order"):
+        _offline_cluster(spec).job(["train"], devices=["b:0", "a:0"])
+    with pytest.raises(ValueError, match="distinct names"):
+        _offline_cluster(spec).job(["train"], devices=["c:0"])
+    with pytest.raises(KeyError, match="no machine 'zz'"):
+        _offline_cluster(spec).job(["train"], servers={"zz": 1})
+    with pytest.raises(ValueError, match="empty"):
+        _offline_cluster(spec).job([])
+
+
+def test_without_root_every_command_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tagps.cluster import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(cg.os, "geteuid", lambda: 1000)
+    with pytest.raises(ClusterError, match="need root"):
+        up(SPEC)
+    with pytest.raises(ClusterError, match="need root"):
+        cg.cgroup_root()
+
+
+def test_cgroup_names_are_the_projects_own() -> None:
+    with pytest.raises(ValueError, match="must start with 'tagps-'"):
+        cg.create("other", 1.0)
+    with pytest.raises(ValueError, match="cores must be > 0"):
+        cg.create("tagps-x", 0.0)
+
+
+# ---------------------------------------------------------------------- end to end (root)
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("root_cluster")
+def test_two_namespace_cluster_trains_end_to_end_and_down_leaves_nothing(tmp_path: Path) -> None:
+    from tagps.cluster.experiment import Executor, run_plan
+    from tagps.strategy.baselines import byteps_like
+    from tagps.strategy.simulator import Simulator
+
+    cluster = up(SPEC)
+    index = cluster.network.index
+    try:
+        assert attach("t-job") is not None
+        with pytest.raises(ClusterError, match="already up"):
+            up(SPEC)
+        # Processes land in their namespace and cgroup, with their device and layout.
+        probe = (
+            "import os; print(os.environ['TAGPS_DEVICE'], os.environ['DMLC_NODE_HOST'], "
+            "[l for l in open('/proc/self/cgroup').read().split() if 'tagps-' in l])"
+        )
+        log = tmp_path / "probe.log"
+        with log.open("wb") as out:
+            assert cluster.run([sys.executable, "-c", probe], servers={}, out=out) == 0
+        text = log.read_text()
+        assert f"a:0 {cluster.address('a')}" in text and f"tagps-{index}-a" in text
+        assert f"b:0 {cluster.address('b')}" in text and f"tagps-{index}-b" in text
+        # The measured topology sees the rate limit of the slower machine.
+        topology = cluster.topology(seconds=0.3)
+        assert [g.name for g in topology.groups] == ["a", "b"]
+        assert 0.05 <= topology.bandwidth("a", "b") * 8 / 1e9 <= 0.11
+        # A tiny PS job trains end to end over the emulated link (server on machine a).
+        sim = Simulator.for_model("transformer-mini", topology, groups=4)
+        plan = byteps_like(sim, 8)
+        result = run_plan(Executor(topology, cluster), "transformer-mini", plan, steps=3, warmup=1)
+        assert result["devices"] == ["a:0", "b:0"] and len(result["losses"]) == 4
+        assert all(x == x and x > 0 for x in result["losses"])
+    except BaseException:
+        cluster.down()
+        raise
+    # A crash: whatever ran the cluster dies without cleaning up; `tagps cluster down SPEC` removes it.
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(SPEC))
+    cluster.down()
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "tagps.cli", "cluster", "run", str(spec_path), "--", "sleep", "60"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (crashed := attach("t-job")) is None or not _running(crashed.network.index):
+            assert runner.poll() is None and time.monotonic() < deadline, "the cluster never came up"
+            time.sleep(0.2)
+    finally:
+        os.kill(runner.pid, signal.SIGKILL)
+        runner.wait()
+    index = crashed.network.index
+    assert _leftovers(index, "t-job")  # the crash left the cluster behind
+    from tagps.cli import main
+
+    assert main(["cluster", "down", str(spec_path)]) == 0
+    assert _leftovers(index, "t-job") == []
+    assert main(["cluster", "down", str(spec_path)]) == 0  # idempotent
+
+
+def _running(index: int) -> bool:
+    """Whether a process runs in one of network ``index``'s cgroups."""
+    root, version = cg.cgroup_root()
+    return any(cg.CpuCgroup(p, version, 1.0).pids() for p in root.glob(f"tagps-{index}-*"))
