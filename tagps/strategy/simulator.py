@@ -6,7 +6,7 @@ largest per-device batch among them); tensors crossing device groups become tran
 become collective tasks. Resources are one compute stream per device group, one NIC channel per device
 group (inter-group traffic) and one bus channel per device group (intra-group traffic). A task starts
 when its predecessors are done and all its resources are free; resources serve tasks in the order they
-become ready (ties: creation order), from a heap of ``(time, priority, seq)`` events. Costs (see
+become ready (ties: creation order), from a heap of ``(finish time, creation index)`` events. Costs (see
 ``docs/simulator.md``):
 
 .. math::
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -187,43 +186,44 @@ class _Schedule:
         self.add = add
 
     def run(self, nres: int) -> tuple[list[float], list[float], list[float]]:
-        """List-schedule; return per-task start, per-task finish and per-resource busy time."""
-        dur, res, succ, npred = self.dur, self.res, self.succ, list(self.npred)
+        """List-schedule; return per-task start, per-task finish and per-resource busy time.
+
+        Events are ``(finish time, priority)`` in a heap; the priority is the task's creation index, unique,
+        so ties resolve the same way every run. A virtual root (index ``n``) finishing at 0 releases the
+        tasks without predecessors, so one loop schedules everything.
+        """
+        dur, res = self.dur, self.res
         n = len(dur)
+        succ = [*self.succ, [t for t in range(n) if self.npred[t] == 0]]
+        npred = [c or 1 for c in self.npred]
         start = [0.0] * n
         finish = [0.0] * n
         free = [0.0] * nres
         busy = [0.0] * nres
-        heap: list[tuple[float, int, int, int]] = []
-        seq = itertools.count()
+        heap: list[tuple[float, int]] = [(0.0, n)]
         push, pop = heapq.heappush, heapq.heappop
-
-        def schedule(t: int, ready: float) -> None:
-            s = ready
-            rs = res[t]
-            for r in rs:
-                if free[r] > s:
-                    s = free[r]
-            d = dur[t]
-            f = s + d
-            for r in rs:
-                free[r] = f
-                busy[r] += d
-            start[t] = s
-            finish[t] = f
-            push(heap, (f, t, next(seq), t))
-
-        for t in range(n):
-            if npred[t] == 0:
-                schedule(t, 0.0)
-        done = 0
+        done = -1
         while heap:
-            f, _, _, t = pop(heap)
+            at, t = pop(heap)
             done += 1
             for u in succ[t]:
                 npred[u] -= 1
-                if npred[u] == 0:
-                    schedule(u, f)
+                if npred[u]:
+                    continue
+                # u is ready at ``at``: it starts when all its resources are free too.
+                s = at
+                rs = res[u]
+                for r in rs:
+                    if free[r] > s:
+                        s = free[r]
+                d = dur[u]
+                f = s + d
+                for r in rs:
+                    free[r] = f
+                    busy[r] += d
+                start[u] = s
+                finish[u] = f
+                push(heap, (f, u))
         if done != n:
             raise RuntimeError(f"simulator: {n - done} tasks never became ready (the task graph has a cycle)")
         return start, finish, busy
