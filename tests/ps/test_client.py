@@ -1,11 +1,19 @@
-"""PSClient argument checking and lifecycle, against a real 1-worker job started by the test."""
+"""PSClient argument checking, lifecycle and send order, against real scheduler processes."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
+import zmq
 
+from tagps.config import PSConfig
 from tagps.ps import PSClient
+from tagps.ps.node import SchedulerLink
+from tagps.ps.protocol import Header, Op, pack_header, server_node_id, unpack_header
+from tagps.ps.transport import Security
 
 
 @pytest.mark.timeout(60)
@@ -58,3 +66,102 @@ def test_client_rejects_bad_arguments_with_clear_errors(ps_job) -> None:
         with pytest.raises(RuntimeError, match="closed"):
             client.push_pull("f", np.zeros(10, np.float32))
         assert job.wait_infrastructure() == {"scheduler": 0, "server0": 0}
+
+
+class _ScriptedServer:
+    """A data socket the test drives by hand, registered with the real scheduler as server 0.
+
+    A thread owns the scheduler link (registration, heartbeats) until SHUTDOWN or :meth:`close`.
+    """
+
+    def __init__(self, config: PSConfig) -> None:
+        self.context = zmq.Context()
+        self.security = Security(self.context, None)
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.link = SchedulerLink(self.context, self.security, config, "server", "127.0.0.1", port)
+        self.node_id = server_node_id(0)
+        self._stash: list[tuple[bytes, Header]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._control, daemon=True)
+        self._thread.start()
+
+    def _control(self) -> None:
+        self.link.register()
+        while not self._stop.is_set():
+            self.link.beat()
+            if self.link.socket.poll(50) and self.link.receive()[0] == Op.SHUTDOWN:
+                return
+
+    def receive(self, op: Op) -> tuple[bytes, Header]:
+        """Return the next ``op`` message; others arriving meanwhile are kept for later calls."""
+        for i, (_, header) in enumerate(self._stash):
+            if header.op == op:
+                return self._stash.pop(i)
+        while True:
+            assert self.socket.poll(10_000), f"no {op.name} arrived"
+            identity, *frames = self.socket.recv_multipart()
+            header = unpack_header(frames[0])
+            if header.op == op:
+                return identity, header
+            self._stash.append((identity, header))
+
+    def reply(self, identity: bytes, op: Op, header: Header, payload: bytes = b"") -> None:
+        head = pack_header(
+            op,
+            sender=self.node_id,
+            key=header.key,
+            round=header.round,
+            dtype=header.dtype,
+            nbytes=len(payload),
+        )
+        self.socket.send_multipart([identity, head, payload] if payload else [identity, head])
+
+    def close(self) -> None:
+        self._thread.join(timeout=30)
+        self._stop.set()
+        self._thread.join()
+        self.link.close()
+        self.socket.close()
+        self.security.close()
+        self.context.term()
+
+
+@pytest.mark.timeout(60)
+def test_window_sends_lower_priority_values_first(ps_job) -> None:
+    """The scripted server withholds PUSH_ACKs; with BYTEPS_SCHEDULING_CREDIT=1 the send order shows."""
+    with ps_job(num_workers=1, num_servers=1, server_args=[]) as job:
+        server = _ScriptedServer(job.client_config(0))
+        client = PSClient(job.client_config(0, BYTEPS_SCHEDULING_CREDIT="1"))
+        try:
+            for name in "abcd":
+                client.declare(name, 8, np.float32)
+            flush = threading.Thread(target=client.flush_declarations)
+            flush.start()
+            for _ in range(4):
+                identity, header = server.receive(Op.INIT)
+                server.reply(identity, Op.INIT_ACK, header)
+            flush.join(timeout=10)
+            keys = {name: index << 16 for index, name in enumerate("abcd")}  # sorted names
+            handles = [client.push_pull("a", np.ones(2, np.float32), priority=5)]
+            identity, header = server.receive(Op.PUSH)
+            for name, priority in (("b", 9), ("c", 1), ("d", 5)):
+                handles.append(client.push_pull(name, np.ones(2, np.float32), priority=priority))
+            time.sleep(0.3)  # every submission reaches the client's I/O thread while the credit is used
+            order = [header.key]
+            for _ in range(3):
+                server.reply(identity, Op.PUSH_ACK, header)
+                identity, header = server.receive(Op.PUSH)
+                order.append(header.key)
+            assert order == [keys["a"], keys["c"], keys["d"], keys["b"]]
+            server.reply(identity, Op.PUSH_ACK, header)
+            for _ in range(4):
+                identity, pull = server.receive(Op.PULL)
+                server.reply(identity, Op.PULL_REPLY, pull, np.full(2, 7, np.float32).tobytes())
+            for handle in handles:
+                client.wait(handle, timeout=10)
+                assert np.all(handle.buffer == 7)
+        finally:
+            client.close()
+            server.close()
