@@ -201,6 +201,8 @@ def machine() -> dict[str, object]:
         "simd_mode": kernels.simd_mode(),
         "tagps_threads": kernels.num_threads(),
         "torch_threads": torch.get_num_threads(),
+        # Other processes share the cores; a high load makes the multi-threaded figures noisy.
+        "load_average_1min": round(os.getloadavg()[0], 2),
     }
 
 
