@@ -219,6 +219,8 @@ class SummationServer:
                     raise ProtocolError(f"key {header.key} was never declared (send INIT first)")
                 if header.dtype != state.dtype:
                     raise ProtocolError(f"dtype code {header.dtype} but key {header.key} holds {state.dtype}")
+                if header.flags & FLAG_AVERAGE and state.dtype in (DType.INT32, DType.INT64):
+                    raise ProtocolError(f"AVERAGE of integer key {header.key}")
                 expected = state.nbytes if header.op == Op.PUSH else 0
                 if size != expected or header.nbytes != expected:
                     raise ProtocolError(
