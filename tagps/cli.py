@@ -208,7 +208,7 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tagps.models import MODELS, default_batch_size
+    from tagps.models import default_batch_size
     from tagps.strategy.mcts import SearchConfig
     from tagps.strategy.planner import parse_budget, plan_model
     from tagps.strategy.report import summary
@@ -223,10 +223,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         topology = load_topology(args.topology)
         if args.batch:
             batch = args.batch
-        elif args.model in MODELS:
-            batch = default_batch_size(args.model)
-        else:
+        elif ":" in args.model:
             raise ValueError("--batch is required for a model given as pkg.module:factory")
+        else:
+            batch = default_batch_size(args.model)  # ValueError naming the known models
         prior = None
         if args.prior == "gnn":
             from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior

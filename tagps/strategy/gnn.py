@@ -20,6 +20,7 @@ model and any topology. Weights ship in ``tagps/strategy/weights/`` (see ``pytho
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -175,7 +176,10 @@ def load_prior(path: str | Path = DEFAULT_WEIGHTS) -> GNNPrior:
         raise FileNotFoundError(
             f"GNN weights {str(path)!r} do not exist (train them: python -m tagps.strategy.train)"
         )
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise ValueError(f"{str(path)!r} is not a TagGNN checkpoint: {exc}") from None
     if not isinstance(data, dict) or not {"config", "state_dict"} <= set(data):
         raise ValueError(f"{str(path)!r} is not a TagGNN checkpoint")
     net = TagGNN(GNNConfig(**data["config"]))

@@ -46,23 +46,25 @@ class TrainConfig:
 
     Args:
         seed: seeds the topologies, the episodes' order, the searches and the network.
-        rounds: self-play rounds (default 3).
-        episodes: searches per round (default 12).
-        iterations: MCTS iterations per search (default 300).
+        rounds: self-play rounds (default 4).
+        episodes: searches per round (default 16).
+        iterations: MCTS iterations per search (default 400).
         groups: op groups per model (default 24; fewer than the planner's 60 keeps episodes short).
         epochs: passes over all samples after each round (default 4).
         lr: Adam learning rate (default 3e-3).
+        temperature: the targets are visit counts to the power ``1 / temperature`` (default 0.5).
         minutes: stop self-play and training after this much wall time (default 12).
         exclude: reference models left out (for hold-out studies).
     """
 
     seed: int = 0
-    rounds: int = 3
-    episodes: int = 12
-    iterations: int = 300
+    rounds: int = 4
+    episodes: int = 16
+    iterations: int = 400
     groups: int = 24
     epochs: int = 4
     lr: float = 3e-3
+    temperature: float = 0.5
     minutes: float = 12.0
     exclude: tuple[str, ...] = ()
 
@@ -71,8 +73,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {value!r}")
-        if not self.lr > 0 or not self.minutes > 0:
-            raise ValueError("TrainConfig.lr and TrainConfig.minutes must be > 0")
+        if not self.lr > 0 or not self.minutes > 0 or not self.temperature > 0:
+            raise ValueError("TrainConfig.lr, .temperature and .minutes must be > 0")
         unknown = set(self.exclude) - set(MODELS)
         if unknown:
             raise ValueError(f"cannot exclude unknown models {sorted(unknown)}")
@@ -86,9 +88,9 @@ def _episode_topology(rng: random.Random, episode: int) -> Topology:
     return random_topology(rng.randrange(1 << 30))
 
 
-def _loss(prior: GNNPrior, ctx: SearchContext, sample: NodeSample) -> torch.Tensor:
+def _loss(prior: GNNPrior, ctx: SearchContext, sample: NodeSample, temperature: float) -> torch.Tensor:
     logits = prior.logits(ctx, sample.decided, sample.result, sample.legal)
-    target = torch.as_tensor(sample.visits, dtype=torch.float32)
+    target = torch.as_tensor(sample.visits, dtype=torch.float32) ** (1.0 / temperature)
     target = target / target.sum()
     return -(target * torch.log_softmax(logits, dim=0)).sum()
 
@@ -140,7 +142,7 @@ def train(config: TrainConfig, log: bool = True) -> tuple[GNNPrior, dict[str, fl
             total = 0.0
             for k in range(0, len(order), 16):
                 optimizer.zero_grad()
-                losses = [_loss(prior, *data[j]) for j in order[k : k + 16]]
+                losses = [_loss(prior, *data[j], config.temperature) for j in order[k : k + 16]]
                 loss = torch.stack(losses).mean()
                 loss.backward()
                 optimizer.step()
@@ -183,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     prior, figures = train(config)
     command = "python -m tagps.strategy.train " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {"command": command, "seed": config.seed, "torch": torch.__version__, **figures,
+    meta = {"command": command, "seed": config.seed, "torch": str(torch.__version__), **figures,
             "exclude": list(config.exclude)}
     out = Path(args.out)
     prior.save(out, meta)

@@ -1,0 +1,141 @@
+"""The heterogeneous GNN prior: shape independence, device-order equivariance, checkpoints, learning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torch_geometric", reason="the GNN needs torch-geometric")
+
+from tagps.strategy.features import state_graph
+from tagps.strategy.gnn import DEFAULT_WEIGHTS, GNNConfig, GNNPrior, TagGNN, load_prior
+from tagps.strategy.graph import Graph, extract_graph
+from tagps.strategy.grouping import group_ops
+from tagps.strategy.mcts import SearchConfig, _Search, search
+from tagps.strategy.simulator import Simulator
+from tagps.strategy.topology import DeviceGroup, Topology, random_topology
+
+
+def _graph(kind: str) -> Graph:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model: nn.Module = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                                         nn.Linear(512, 10))
+        return extract_graph(model, (torch.randn(1, 256),), "mlp")
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 12 * 12, 10))
+    return extract_graph(model, (torch.randn(1, 3, 16, 16),), "cnn")
+
+
+def _groups(*spec: tuple[str, str, int]) -> Topology:
+    return Topology("t", tuple(DeviceGroup(n, d, c, 96.0) for n, d, c in spec), 25.0)
+
+
+def _state(graph: Graph, topo: Topology, decided: int = 0) -> tuple[_Search, list, object, np.ndarray]:
+    sim = Simulator(graph, group_ops(graph, 3), topo)
+    s = _Search(sim, 32, SearchConfig(iterations=1, sfb=False), None, False)
+    actions = [s.actions[-1]] * decided  # every device group, mp last
+    result = sim.evaluate(s.plan(actions)) if actions else None
+    legal = np.arange(len(s.actions))
+    return s, actions, result, legal
+
+
+@pytest.fixture(scope="module")
+def prior() -> GNNPrior:
+    torch.manual_seed(0)
+    return GNNPrior(TagGNN(GNNConfig(hidden=16, layers=2, heads=2)))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        (("a", "V100-32GB", 2),),
+        (("a", "V100-32GB", 2), ("b", "1080Ti", 4)),
+        (("a", "V100-32GB", 2), ("b", "1080Ti", 4), ("c", "P100", 1), ("d", "T4", 8)),
+    ],
+)
+@pytest.mark.parametrize("decided", [0, 1])
+def test_same_weights_score_every_model_and_topology(
+    prior: GNNPrior, kind: str, spec: tuple, decided: int
+) -> None:
+    s, actions, result, legal = _state(_graph(kind), _groups(*spec), decided)
+    p = prior.priors(s.ctx, actions, result, legal)
+    assert p.shape == (len(s.actions),) == (2 * (2 ** len(spec) - 1) + len(spec),)
+    assert np.all(p > 0) and p.sum() == pytest.approx(1.0)
+    sub = legal[::2]
+    assert prior.priors(s.ctx, actions, result, sub).shape == sub.shape
+
+
+def test_scores_do_not_depend_on_the_order_of_device_groups(prior: GNNPrior) -> None:
+    spec = [("a", "V100-32GB", 2), ("b", "1080Ti", 4), ("c", "P100", 1)]
+    graph = _graph("mlp")
+    s1, _, _, legal1 = _state(graph, _groups(*spec))
+    s2, _, _, legal2 = _state(graph, _groups(*reversed(spec)))
+    p1 = prior.priors(s1.ctx, [], None, legal1)
+    p2 = prior.priors(s2.ctx, [], None, legal2)
+    names1 = [g.name for g in s1.sim.dgroups]
+    names2 = [g.name for g in s2.sim.dgroups]
+    key2 = {(frozenset(names2[d] for d in a.devices), a.option): k for k, a in enumerate(s2.actions)}
+    mapped = [p2[key2[(frozenset(names1[d] for d in a.devices), a.option)]] for a in s1.actions]
+    np.testing.assert_allclose(p1, mapped, rtol=1e-4, atol=1e-7)
+
+
+def test_feedback_reaches_the_features() -> None:
+    s, actions, result, _ = _state(_graph("mlp"), _groups(("a", "V100-32GB", 2), ("b", "1080Ti", 2)), 1)
+    g = state_graph(s.ctx, actions, result)
+    assert g.x["op"].shape[0] == len(s.sim.groups) and g.x["dev"].shape[0] == 2
+    assert g.x["op"][:, 10].max() > 0  # finish times from the simulator
+    assert g.x["dev"][:, 4].max() > 0  # utilisation
+    assert g.edge_attr[("op", "on", "dev")][:, 3].sum() > 0  # current placement
+    with pytest.raises(ValueError, match="every op group is decided"):
+        state_graph(s.ctx, [s.actions[0]] * len(s.order), result)
+
+
+def test_checkpoint_round_trip_and_errors(prior: GNNPrior, tmp_path: Path) -> None:
+    path = tmp_path / "w.pt"
+    prior.save(path, {"seed": 1})
+    again = load_prior(path)
+    s, actions, result, legal = _state(_graph("mlp"), random_topology(3))
+    np.testing.assert_allclose(prior.priors(s.ctx, actions, result, legal),
+                               again.priors(s.ctx, actions, result, legal), rtol=1e-6)
+    with pytest.raises(FileNotFoundError, match="train"):
+        load_prior(tmp_path / "missing.pt")
+    torch.save({"nope": 1}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="not a TagGNN checkpoint"):
+        load_prior(tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="divisible"):
+        GNNConfig(hidden=15, heads=2)
+
+
+def test_training_step_fits_a_visit_distribution(prior: GNNPrior) -> None:
+    torch.manual_seed(1)
+    net = TagGNN(GNNConfig(hidden=16, layers=2, heads=2))
+    model = GNNPrior(net)
+    s, actions, result, legal = _state(_graph("cnn"), _groups(("a", "V100-32GB", 2), ("b", "1080Ti", 2)))
+    target = torch.zeros(len(legal))
+    target[3] = 1.0
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = -(target * torch.log_softmax(model.logits(s.ctx, actions, result, legal), 0)).sum()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+    assert int(np.argmax(model.priors(s.ctx, actions, result, legal))) == 3
+
+
+def test_shipped_weights_guide_a_search() -> None:
+    if not DEFAULT_WEIGHTS.is_file():
+        pytest.fail(f"the shipped weights {DEFAULT_WEIGHTS} are missing")
+    gnn = load_prior()
+    graph = _graph("cnn")
+    sim = Simulator(graph, group_ops(graph, 3), random_topology(11))
+    result = search(sim, 32, SearchConfig(iterations=30, sfb=False), model=gnn)
+    assert result.plan is not None and result.speedup > 1.0
