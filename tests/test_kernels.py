@@ -245,6 +245,12 @@ def test_sum_into_errors() -> None:
         K.sum_into(torch.zeros(3, dtype=torch.complex64))
     with pytest.raises(TypeError, match="sparse_coo"):
         K.sum_into(torch.zeros(3).to_sparse())
+    with pytest.raises(TypeError, match="torch tensor on meta; the kernels work on CPU tensors only"):
+        K.sum_into(torch.zeros(3, device="meta"))
+    ro_buf = np.zeros(3, np.float32)
+    ro_buf.flags.writeable = False
+    with pytest.raises(ValueError, match="buf is read-only"):
+        K.scale(ro_buf, 2.0)
     with pytest.raises(TypeError, match=r"torch\.uint16"):
         K.sum_into(torch.zeros(3, dtype=torch.uint16))
 
