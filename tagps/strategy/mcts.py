@@ -251,18 +251,25 @@ def _speed_weights(sim: Simulator, batch: int) -> list[float]:
 
 
 def _shares(sim: Simulator, batch: int, used: Sequence[int], weights: Sequence[float]) -> dict[str, int]:
-    """Batch shares over the devices of ``used`` device groups, proportional to speed (largest remainder)."""
-    devices = [(f"{sim.dgroups[g].name}:{k}", weights[g]) for g in used for k in range(sim.dgroups[g].count)]
-    floor = 1 if batch >= len(devices) else 0
-    rest = batch - floor * len(devices)
-    total = sum(w for _, w in devices)
-    exact = [rest * w / total for _, w in devices]
-    counts = [floor + int(x) for x in exact]
-    left = batch - sum(counts)
-    for k in sorted(range(len(devices)), key=lambda k: (-(exact[k] - int(exact[k])), k))[:left]:
-        counts[k] += 1
+    """Batch shares over the devices of ``used`` device groups, balanced for speed (greedy min-max).
+
+    The devices of a group run in lockstep at the largest per-device batch among them, so each sample goes
+    to the least loaded device of the group whose lockstep time ``max batch / speed`` grows least.
+    """
+    counts = {g: [0] * sim.dgroups[g].count for g in used}
+    for _ in range(batch):
+        best_g, best_cost = used[0], math.inf
+        for g in used:
+            row = counts[g]
+            cost = max(max(row), min(row) + 1) / weights[g]
+            if cost < best_cost:
+                best_g, best_cost = g, cost
+        row = counts[best_g]
+        row[row.index(min(row))] += 1
     shares = {d: 0 for d in sim.topology.devices()}
-    shares.update({d: c for (d, _), c in zip(devices, counts, strict=True)})
+    for g, row in counts.items():
+        for k, c in enumerate(row):
+            shares[f"{sim.dgroups[g].name}:{k}"] = c
     return shares
 
 
