@@ -272,7 +272,7 @@ except RuntimeError as exc:
 @pytest.mark.parametrize(
     ("victim", "message"),
     [
-        ("server", r"server 1 \(pid \d+ on 127\.0\.0\.1\) failed"),
+        ("server", r"server \d \(pid {pid} on 127\.0\.0\.1\) failed"),
         ("scheduler", r"the scheduler at 127\.0\.0\.1:\d+ sent nothing for 2 s"),
     ],
 )
@@ -288,5 +288,5 @@ def test_killed_server_or_scheduler_fails_the_workers_naming_it(ps_job, victim: 
             result = job.finish(worker_id, proc, timeout=20)
             assert result.returncode == 3, result.stderr
             report = json.loads(result.stdout.strip().splitlines()[-1])
-            assert re.search(message, report["error"]), report
+            assert re.search(message.format(pid=process.pid), report["error"]), report
             assert report["elapsed"] < 2 + 2.0
