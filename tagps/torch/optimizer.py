@@ -224,13 +224,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if flat is None:
             flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
             self._flat[index] = flat
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        offset = 0
+        for g in grads:  # the batch weight is applied on the way in: one pass over the gradients
+            torch.mul(g.reshape(-1), self._weight, out=flat[offset : offset + g.numel()])
+            offset += g.numel()
         inner = ops.start_sum(
             flat,
             method="allreduce",
             name=f"{self._keys[unit[0]]}+{len(unit) - 1}",
             compression=self._compression,
-            prescale=self._weight,
         )
 
         def finish() -> torch.Tensor:
