@@ -343,6 +343,11 @@ def _batch_weight(
     plan_shares: tuple[float, ...] | None, batch_share: float | None, op: ReduceOp, size: int, rank: int
 ) -> float:
     """Return this worker's factor: its share of the global batch for an average, 1 for a sum."""
+    if plan_shares is not None and len(plan_shares) != size:
+        raise ValueError(
+            f"the strategy has batch shares for {len(plan_shares)} devices but the job has {size} "
+            "worker processes"
+        )
     if op is Sum:
         return 1.0
     if plan_shares is not None and batch_share is not None:
@@ -354,11 +359,6 @@ def _batch_weight(
         dist.all_gather_object(gathered, float(batch_share))
         shares = tuple(float(s) for s in gathered)
     elif plan_shares is not None:
-        if len(plan_shares) != size:
-            raise ValueError(
-                f"the strategy has batch shares for {len(plan_shares)} devices but the job has {size} "
-                "worker processes"
-            )
         shares = plan_shares
     else:
         return 1.0 / size
