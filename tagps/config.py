@@ -309,7 +309,7 @@ class PSConfig:
         max_staleness: ``TAGPS_MAX_STALENESS``, in async mode the most rounds a pull may run ahead of the
             slowest worker's pushes (``None``: unbounded).
         key_hash_fn: ``BYTEPS_KEY_HASH_FN``: ``djb2``, ``sdbm``, ``naive`` or ``balanced``.
-        scheduling_credit: ``BYTEPS_SCHEDULING_CREDIT``, chunks a worker keeps in flight (default 16).
+        scheduling_credit: ``BYTEPS_SCHEDULING_CREDIT``, pushes a worker keeps unacknowledged (default 8).
         log_level: ``BYTEPS_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``; default ``WARNING``).
         trace_on: ``BYTEPS_TRACE_ON``, record push_pull timelines.
         trace_dir: ``BYTEPS_TRACE_DIR``, where traces go (default ``./traces``).
@@ -336,7 +336,7 @@ class PSConfig:
     enable_async: bool = False
     max_staleness: int | None = None
     key_hash_fn: str = "djb2"
-    scheduling_credit: int = 16
+    scheduling_credit: int = 8
     log_level: str = "WARNING"
     trace_on: bool = False
     trace_dir: str = "traces"
@@ -398,7 +398,7 @@ def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> P
         enable_async=_read(env, "BYTEPS_ENABLE_ASYNC", _bool, False),
         max_staleness=_read(env, "TAGPS_MAX_STALENESS", _int(0), None),
         key_hash_fn=_read(env, "BYTEPS_KEY_HASH_FN", _choice("djb2", "sdbm", "naive", "balanced"), "djb2"),
-        scheduling_credit=_read(env, "BYTEPS_SCHEDULING_CREDIT", _int(1), 16),
+        scheduling_credit=_read(env, "BYTEPS_SCHEDULING_CREDIT", _int(1), 8),
         log_level=_read(env, "BYTEPS_LOG_LEVEL", _log_level, "WARNING"),
         trace_on=_read(env, "BYTEPS_TRACE_ON", _bool, False),
         trace_dir=_read(env, "BYTEPS_TRACE_DIR", _text, "traces"),
