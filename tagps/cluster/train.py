@@ -110,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "losses": global_losses,
         }
         Path(args.out).write_text(json.dumps(result, indent=1))
+    # DDP's reducer must go before the process group it uses (else its destructor can abort the process).
+    del optimizer, model
+    dist.barrier()
     bps.shutdown()
     return 0
 

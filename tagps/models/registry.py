@@ -37,6 +37,13 @@ def _images(size: int) -> Callable[[int, torch.device | str], tuple[torch.Tensor
     return make
 
 
+def _vectors(features: int) -> Callable[[int, torch.device | str], tuple[torch.Tensor, ...]]:
+    def make(batch: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(batch, features, device=device),)
+
+    return make
+
+
 def _tokens(
     vocab: int, seq: int, n: int = 1
 ) -> Callable[[int, torch.device | str], tuple[torch.Tensor, ...]]:
@@ -64,6 +71,14 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("gpt2", transformer.gpt2_small, _tokens(transformer.GPT2_VOCAB, transformer.GPT2_SEQ), 32),
         ModelSpec("vgg-mini", small.vgg_mini, _images(32), 64),
         ModelSpec("transformer-mini", small.transformer_mini, _tokens(small.MINI_VOCAB, small.MINI_SEQ), 32),
+        ModelSpec("mlp-mini", small.mlp_mini, _vectors(small.MLP_FEATURES), 32),
+        ModelSpec("convnet-mini", small.convnet_mini, _images(32), 32),
+        ModelSpec(
+            "encoder-mini",
+            small.encoder_mini,
+            _tokens(small.CALIBRATION_VOCAB, small.CALIBRATION_SEQ),
+            32,
+        ),
     )
 }
 
