@@ -124,31 +124,30 @@ def measure_pair(
         RuntimeError: a side failed (its output is in the message).
     """
     me = [sys.executable, "-m", "tagps.cluster.measure"]
-    server = subprocess.Popen(
+    with subprocess.Popen(
         server_argv([*me, "serve", host, str(port)]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert server.stdout is not None
-        if server.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"link probe server on {host}:{port} failed: {server.communicate()[1]}")
-        client = subprocess.run(
-            client_argv([*me, "probe", host, str(port), str(seconds)]),
-            capture_output=True,
-            text=True,
-            timeout=seconds + 60,
-        )
-        if client.returncode != 0:
-            raise RuntimeError(f"link probe to {host}:{port} failed: {client.stderr.strip()}")
-        data = json.loads(client.stdout)
-        server.wait(timeout=30)
-        return LinkMeasurement(data["rtt_s"], data["bandwidth_Bps"])
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    ) as server:
+        try:
+            ready = server.stdout.readline().strip() if server.stdout else ""
+            if ready != "ready":
+                raise RuntimeError(f"link probe server on {host}:{port} failed: {server.communicate()[1]}")
+            client = subprocess.run(
+                client_argv([*me, "probe", host, str(port), str(seconds)]),
+                capture_output=True,
+                text=True,
+                timeout=seconds + 60,
+            )
+            if client.returncode != 0:
+                raise RuntimeError(f"link probe to {host}:{port} failed: {client.stderr.strip()}")
+            data = json.loads(client.stdout)
+            server.wait(timeout=30)
+            return LinkMeasurement(data["rtt_s"], data["bandwidth_Bps"])
+        finally:
+            if server.poll() is None:
+                server.kill()
 
 
 def _main(argv: Sequence[str]) -> None:
