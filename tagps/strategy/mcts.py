@@ -383,7 +383,7 @@ class _Search:
         q = np.divide(node.total, n, out=np.full_like(node.total, node.value), where=n > 0)
         prior = node.prior
         score = q + self.config.c_puct * prior * math.sqrt(n.sum() + 1) / (1 + n)
-        if self.best is None:
+        if self.best is None and self.evaluations:
             mp = self.mp_size[node.legal]
             if mp.any():
                 # Nothing fits yet: among mp actions, untried ones over more devices first.
