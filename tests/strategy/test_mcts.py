@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -128,3 +129,32 @@ def test_polishing_never_makes_the_plan_slower() -> None:
     assert polished.plan is not None and plain.plan is not None
     assert polished.time_s <= plain.time_s
     assert sim.evaluate(polished.plan).iteration_time == pytest.approx(polished.time_s)
+
+
+class _FavourAction:
+    """A prior that puts almost all mass on one action (by devices and option)."""
+
+    def __init__(self, devices: tuple[int, ...], option: str) -> None:
+        self.devices, self.option = devices, option
+
+    def priors(self, ctx, decided, result, legal):
+        hit = [ctx.actions[k].devices == self.devices and ctx.actions[k].option == self.option for k in legal]
+        return np.where(hit, 1.0, 1e-6)
+
+
+def test_a_confident_prior_is_followed_from_the_first_iteration(sim: Simulator) -> None:
+    everything = tuple(range(len(sim.dgroups)))
+    prior = _FavourAction(everything, "allreduce")
+    result = search(sim, 64, SearchConfig(iterations=5, sfb=False), model=prior)
+    assert result.iters_to_beat_baseline == 1
+    first = result.plan
+    assert first is not None and all(g.option == "allreduce" for g in first.groups)
+
+
+def test_an_invalid_prior_is_an_error(sim: Simulator) -> None:
+    class Broken:
+        def priors(self, ctx, decided, result, legal):
+            return np.ones(len(legal) + 1)
+
+    with pytest.raises(RuntimeError, match="invalid prior"):
+        search(sim, 64, SearchConfig(iterations=2), model=Broken())
