@@ -44,7 +44,7 @@ from tagps.ps.protocol import (
     routing_id,
     unpack_header,
 )
-from tagps.ps.transport import Security, resolve_host
+from tagps.ps.transport import Security, keep_freed_buffers, resolve_host
 
 __all__ = ["Handle", "PSClient", "key_to_server"]
 
@@ -151,6 +151,7 @@ class PSClient:
         self.config = config
         self.worker_id = config.worker_id
         self.num_workers = config.num_workers
+        keep_freed_buffers()  # pull replies arrive in fresh zmq buffers every round
         self._context = zmq.Context()
         self._security = Security(self._context, config.secret)
         self._link = SchedulerLink(self._context, self._security, config, "worker", resolve_host(config), 0)

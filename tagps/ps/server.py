@@ -48,7 +48,7 @@ from tagps.ps.protocol import (
     server_node_id,
     unpack_header,
 )
-from tagps.ps.transport import Security, bind_random_port, resolve_host
+from tagps.ps.transport import Security, bind_random_port, keep_freed_buffers, resolve_host
 
 __all__ = ["SummationServer"]
 
@@ -108,6 +108,7 @@ class SummationServer:
         # Parallelism comes from the engine threads; OpenMP teams inside each would only oversubscribe the
         # cores and spin between sums (measured: 4 MiB push_pull 20 ms with teams, 6 ms without).
         kernels.set_num_threads(1)
+        keep_freed_buffers()
         opt_config = optimizer or ServerOptimizerConfig()
         self.optimizer = ServerOptimizer(opt_config) if opt_config.name != "none" else None
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
