@@ -100,8 +100,11 @@ def demo(steps: int = 30, local: bool = False, log: Callable[[str], None] = prin
         cal = load_calibration(path)
         log(f"calibration: {path}")
     else:
-        log(f"calibration: none at {path}; calibrating this host (quick)")
-        cal = calibrate(quick=True, log=lambda line: log("  " + line))
+        log(
+            f"calibration: none at {path}; a quick one without the fit on whole jobs follows "
+            "(`python -m tagps.calibrate` makes the full one)"
+        )
+        cal = calibrate(quick=True, jobs=False, log=lambda line: log("  " + line))
         path.parent.mkdir(parents=True, exist_ok=True)
         cal.save(path)
     cluster = None

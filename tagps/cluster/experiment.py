@@ -19,10 +19,14 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tagps.strategy.plan import CommSettings, Plan
 from tagps.strategy.topology import DeviceGroup, Topology
+
+if TYPE_CHECKING:
+    from tagps.cluster.run import Cluster
+    from tagps.strategy.simulator import Simulator
 
 __all__ = ["DDP_BUCKET_BYTES", "Executor", "ddp_plan", "local_executor", "plan_servers", "run_plan"]
 
@@ -39,7 +43,7 @@ class Executor:
     """
 
     topology: Topology
-    cluster: Any = None
+    cluster: Cluster | None = None
 
     @property
     def where(self) -> str:
@@ -82,7 +86,7 @@ def plan_servers(plan: Plan) -> dict[str, int]:
     return {name: 1 for name in names}
 
 
-def ddp_plan(sim: Any, batch: int, optimizer: str = "adam") -> Plan:
+def ddp_plan(sim: Simulator, batch: int, optimizer: str = "adam") -> Plan:
     """The data-parallel plan that ``DistributedDataParallel`` executes (even shares, 25 MiB buckets)."""
     from tagps.strategy.baselines import data_parallel_plan, even_shares
 
