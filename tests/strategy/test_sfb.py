@@ -75,6 +75,8 @@ def test_sfb_rejects_non_linear_weights_and_unknown_parameters() -> None:
         solve_gradient(sim, plan, "1.bias")
     with pytest.raises(ValueError, match="not in graph"):
         solve_gradient(sim, plan, "nope")
+    with pytest.raises(ValueError, match="SFB solver"):
+        solve_gradient(sim, plan, "1.weight", solver="GLPK")
     with pytest.raises(ValueError, match="unknown ops"):
         sim.sfb_factors("1.weight", ("_1", "ghost"))
     with pytest.raises(ValueError, match="must include its op"):
