@@ -34,7 +34,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="plan vgg-mini for an embedded cluster (emulated with root, else local processes), train it "
         "with the plan and with DDP all-reduce, compare measured and predicted step times",
     )
-    p.add_argument("--steps", type=int, default=30, help="timed training steps per strategy (default 30)")
+    p.add_argument("--steps", type=int, default=24, help="timed training steps per strategy (default 24)")
     p.add_argument("--local", action="store_true", help="local processes even where root allows namespaces")
     p.set_defaults(func=_run_demo)
 

@@ -1,7 +1,7 @@
 """``tagps demo``: plan a small model for the cluster at hand, train it with the plan and with DDP, compare.
 
 On an emulated cluster when root allows (a fast machine with two devices on 1 Gbit/s and a slow one with a
-quarter core on 100 Mbit/s), otherwise on two local processes: measure the topology, load (or make) the
+quarter core on 200 Mbit/s), otherwise on two local processes: measure the topology, load (or make) the
 simulator's calibration, search a data-parallel plan with MCTS on the calibrated simulator, train
 ``vgg-mini`` for a few dozen steps with the plan (``tagps.torch``) and with ``DistributedDataParallel``
 (gloo all-reduce), and print measured and predicted step times and the loss of each.
@@ -22,7 +22,7 @@ DEMO_CLUSTER = {
     "name": "demo",
     "machines": [
         {"name": "fast", "workers": 2, "cpu": 1.0, "rate_mbit": 1000},
-        {"name": "slow", "workers": 1, "cpu": 0.25, "rate_mbit": 100},
+        {"name": "slow", "workers": 1, "cpu": 0.25, "rate_mbit": 200},
     ],
 }
 MODEL, BATCH, GROUPS = "vgg-mini", 48, 8
@@ -77,7 +77,7 @@ def format_table(rows: list[DemoRow], batch: int) -> str:
     return "\n".join(lines)
 
 
-def demo(steps: int = 30, local: bool = False, log: Callable[[str], None] = print) -> list[DemoRow]:
+def demo(steps: int = 24, local: bool = False, log: Callable[[str], None] = print) -> list[DemoRow]:
     """Run the demo and return its rows (also printed through ``log``).
 
     Args:
