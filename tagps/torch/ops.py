@@ -12,6 +12,7 @@ import atexit
 import itertools
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from tagps.comm import collectives
 from tagps.comm.handle import Handle, Waitable
 from tagps.config import CommConfig, comm_config
 from tagps.torch.compression import Compressor, NoneCompressor
+
+if TYPE_CHECKING:
+    from tagps.comm.ps_service import PSService
 
 __all__ = ["METHODS", "State", "default_method", "init", "is_initialized", "shutdown", "start_sum", "state"]
 
@@ -30,12 +34,12 @@ class State:
     """What :func:`tagps.torch.init` set up; :func:`tagps.torch.shutdown` tears it down."""
 
     cfg: CommConfig
-    ps: object | None = None  # tagps.comm.ps_service.PSService, created on first use of the ps method
+    ps: PSService | None = None  # created on first use of the ps method
     handles: set[Handle] = field(default_factory=set)
     names: itertools.count = field(default_factory=itertools.count)
     optimizers: itertools.count = field(default_factory=itertools.count)
 
-    def ps_service(self) -> object:
+    def ps_service(self) -> PSService:
         """Return the PS service (intra-machine reduction plus the summation servers), starting it once."""
         if self.ps is None:
             from tagps.comm.ps_service import PSService
@@ -67,7 +71,7 @@ def shutdown() -> None:
         for handle in list(_state.handles):
             handle.wait()
         if _state.ps is not None:
-            _state.ps.close()  # type: ignore[attr-defined]
+            _state.ps.close()
     finally:
         _state = None
         collectives.shutdown_process_group()
@@ -128,7 +132,7 @@ def start_sum(
     if method == "allreduce":
         work = collectives.all_reduce_async(wire, group)
     elif method == "ps":
-        work = st.ps_service().push_pull_async(name, wire, priority)  # type: ignore[attr-defined]
+        work = st.ps_service().push_pull_async(name, wire, priority)
     else:
         raise ValueError(f"start_sum cannot sum with method {method!r}; use allreduce or ps")
 

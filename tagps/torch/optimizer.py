@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +71,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._bpps = backward_passes_per_step
         self._params = _optimizer_params(optimizer)
+        if (
+            named_parameters is None
+            and strategy is not None
+            and not (isinstance(strategy, Mapping) and set(strategy) <= {"default"})
+        ):
+            raise ValueError(
+                "a strategy that names parameters needs named_parameters=model.named_parameters()"
+            )
         self._names = _names(self._params, named_parameters)
         plan = resolve_strategy(strategy, list(self._names.values()), ops.default_method(st.cfg))
         self._method = {p: plan.methods[self._names[p]] for p in self._params}
@@ -88,7 +96,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ps_params:
             # Start the service and register the tensors now, so that a missing server or an unsupported
             # dtype fails before training and no step pays for the registration.
-            st.ps_service().declare(  # type: ignore[attr-defined]
+            st.ps_service().declare(
                 [
                     (n, compression.compress(torch.empty(p.numel(), dtype=p.dtype, device=p.device))[0])
                     for n, p in ps_params

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 import tagps.torch as bps
+from tagps.config import comm_config
 
 
 class MLP(nn.Module):
@@ -133,6 +135,16 @@ def push_pull_sizes() -> float:
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("kind") == "push_pull":
         return {"max_abs_diff": push_pull_sizes()}
+    if case.get("kind") == "skip":  # only local rank 0 joins: its wait must time out with a clear error
+        if bps.local_rank() != 0:
+            # Enter the next collective late enough that its own timeout outlasts local rank 0's wait.
+            time.sleep(comm_config().dist_timeout_s / 2)
+            return {"skipped": True}
+        try:
+            bps.push_pull(torch.ones(4), name="joined-by-local-rank-0-only")
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        return {"error": ""}
     progress = {"steps_done": 0}
     try:
         dist_model = train(case, distributed=True, progress=progress)

@@ -97,7 +97,9 @@ LOCAL_CASES = [
     {"id": "push-pull-sizes", "kind": "push_pull"},
     {"id": "local3-ps-cnn", "model": "cnn", "optimizer": "sgd", "shares": [3, 1, 4],
      "strategy": {"default": "ps"}},
+    {"id": "skipped-by-other-local-ranks", "kind": "skip"},
 ]  # fmt: skip
+LOCAL_TIMEOUT_S = 20
 EXPECTED_ERRORS = {
     "bad-param": "strategy names parameter 'fc9.weight', which the optimizer does not have",
     "bad-method": "unknown sync method 'gossip'",
@@ -133,11 +135,15 @@ def local_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         workers=1,
         servers=1,
         local_size=3,
-        env={"TAGPS_LOCAL_TOPOLOGY": "0,2|1"},
+        env={"TAGPS_LOCAL_TOPOLOGY": "0,2|1", "TAGPS_DIST_TIMEOUT": str(LOCAL_TIMEOUT_S)},
     )
 
 
 def _check(results: list[dict[str, Any]], case_id: str) -> None:
+    if case_id == "skipped-by-other-local-ranks":
+        expected = f"did not finish within {LOCAL_TIMEOUT_S} s (TAGPS_DIST_TIMEOUT)"
+        assert expected in results[0][case_id]["error"], results[0][case_id]
+        return
     tol = FP16_TOL if "fp16" in case_id else TOL
     for rank, by_case in enumerate(results):
         got = by_case[case_id]
