@@ -8,7 +8,7 @@ process group, ranked machine-major as BytePS ranks them. The rendezvous is a ``
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,11 +23,9 @@ __all__ = [
     "backend_for",
     "init_process_group",
     "shutdown_process_group",
-    "subgroup",
 ]
 
 _owned = False
-_subgroups: dict[tuple[int, ...], object] = {}
 
 
 def backend_for(cfg: CommConfig) -> str:
@@ -74,26 +72,9 @@ def init_process_group(cfg: CommConfig) -> None:
 def shutdown_process_group() -> None:
     """Leave the process group if :func:`init_process_group` created it."""
     global _owned
-    _subgroups.clear()
     if _owned and dist.is_initialized():
         dist.destroy_process_group()
     _owned = False
-
-
-def subgroup(ranks: Sequence[int]) -> object | None:
-    """Return the process group of ``ranks`` (``None`` for the whole world).
-
-    Every process must call this with the same ``ranks`` in the same order (``torch.distributed.new_group``
-    is collective); groups are created once and cached.
-    """
-    key = tuple(sorted(ranks))
-    if len(key) != len(set(key)) or not key or key[0] < 0 or key[-1] >= dist.get_world_size():
-        raise ValueError(f"ranks {list(ranks)} are not distinct ranks of a world of {dist.get_world_size()}")
-    if len(key) == dist.get_world_size():
-        return None
-    if key not in _subgroups:
-        _subgroups[key] = dist.new_group(list(key))
-    return _subgroups[key]
 
 
 def all_reduce_async(tensor: torch.Tensor, group: object | None = None) -> Waitable:

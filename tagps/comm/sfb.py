@@ -119,9 +119,7 @@ class SufficientFactors:
             )
         self._checked.add(id(weight))
 
-    def start(
-        self, weight: nn.Parameter, scale: float, backward_ran: bool, group: object | None = None
-    ) -> Handle:
+    def start(self, weight: nn.Parameter, scale: float, backward_ran: bool) -> Handle:
         """Gather the factors of ``weight`` from every worker and start rebuilding its gradient.
 
         Args:
@@ -129,7 +127,6 @@ class SufficientFactors:
             scale: this worker's weight in the sum (its batch share for an average, 1 for a sum).
             backward_ran: whether backward produced a gradient for ``weight`` in this step; without one
                 this worker contributes no factors.
-            group: process group (``None``: every worker).
 
         Returns:
             A handle whose ``wait()`` writes :math:`\\sum_r w_r G_r^\\top X_r` into ``weight.grad``.
@@ -137,7 +134,7 @@ class SufficientFactors:
         xs, gs = self._local(weight, backward_ran)
         out_f = weight.shape[0]
         packed = torch.cat([gs * scale, xs], dim=1)
-        work, gathered = collectives.all_gather_varlen_async(packed, group)
+        work, gathered = collectives.all_gather_varlen_async(packed)
 
         def finish() -> torch.Tensor:
             rows = gathered()

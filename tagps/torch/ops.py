@@ -1,9 +1,8 @@
 """The adapter's process-wide state and the one helper that starts every summation.
 
-``push_pull`` and friends, ``DistributedOptimizer`` and the broadcast functions all go through
-:func:`start_sum`, which compresses, hands the tensor to the chosen method (a ``torch.distributed``
-all-reduce or the PS service) and returns a :class:`~tagps.comm.handle.Handle` whose ``wait()``
-decompresses, scales and writes the result back.
+``push_pull`` and friends and ``DistributedOptimizer`` sum through :func:`start_sum`, which compresses,
+hands the tensor to the chosen method (a ``torch.distributed`` all-reduce or the PS service) and returns a
+:class:`~tagps.comm.handle.Handle` whose ``wait()`` decompresses, scales and writes the result back.
 """
 
 from __future__ import annotations
@@ -49,16 +48,19 @@ class State:
 
 
 _state: State | None = None
+_atexit_registered = False
 
 
-def init(env: dict[str, str] | None = None) -> State:
-    """Create the process-wide state (idempotent) and join the process group."""
-    global _state
+def init() -> State:
+    """Create the process-wide state from the environment (idempotent) and join the process group."""
+    global _state, _atexit_registered
     if _state is None:
-        cfg = comm_config(os.environ if env is None else env)
+        cfg = comm_config(os.environ)
         collectives.init_process_group(cfg)
         _state = State(cfg)
-        atexit.register(shutdown)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
     return _state
 
 
@@ -103,7 +105,6 @@ def start_sum(
     compression: type[Compressor] = NoneCompressor,
     prescale: float = 1.0,
     postscale: float = 1.0,
-    group: object | None = None,
 ) -> Handle:
     """Start summing ``tensor`` in place over the workers and return its handle.
 
@@ -120,7 +121,6 @@ def start_sum(
         compression: applied after ``prescale`` and undone before ``postscale``.
         prescale: this worker's factor, applied before sending (uneven batch shares).
         postscale: factor applied to the sum (1/size for an average).
-        group: process group for ``allreduce`` (``None``: every worker).
     """
     st = state()
     if not tensor.is_contiguous():
@@ -130,7 +130,7 @@ def start_sum(
     wire, ctx = compression.compress(tensor)
     work: Waitable
     if method == "allreduce":
-        work = collectives.all_reduce_async(wire, group)
+        work = collectives.all_reduce_async(wire)
     elif method == "ps":
         work = st.ps_service().push_pull_async(name, wire, priority)
     else:
