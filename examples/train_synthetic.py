@@ -111,6 +111,10 @@ def train(args: argparse.Namespace, hvd: Any) -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(1234)
     model = make_model(args.model, args.image_size).to(device)
+    model.eval()
+    with torch.no_grad():
+        classes = model(torch.zeros(2, 3, args.image_size, args.image_size, device=device)).shape[-1]
+    model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
     if args.ddp:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -126,7 +130,7 @@ def train(args: argparse.Namespace, hvd: Any) -> None:
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         method = "horovod" if args.horovod else args.strategy
     data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
-    target = torch.randint(0, 1000, (args.batch_size,), device=device)
+    target = torch.randint(0, classes, (args.batch_size,), device=device)
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
