@@ -108,7 +108,9 @@ class SufficientFactors:
     def _check(self, weight: nn.Parameter, name: str, xs: torch.Tensor, gs: torch.Tensor) -> None:
         """Compare the local gradient with the factors' product along a random direction (first step only)."""
         assert weight.grad is not None
-        probe = torch.randn(weight.shape[1], dtype=weight.dtype, device=weight.device)
+        # A private generator: the user's random stream (dropout masks, data order) stays untouched.
+        generator = torch.Generator(device=weight.device).manual_seed(len(self._checked))
+        probe = torch.randn(weight.shape[1], dtype=weight.dtype, device=weight.device, generator=generator)
         lhs = weight.grad @ probe
         rhs = gs.t() @ (xs @ probe)
         scale = float(lhs.abs().max()) + float(rhs.abs().max()) + 1e-12
