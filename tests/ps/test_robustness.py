@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import zmq
@@ -127,3 +129,35 @@ def test_worker_with_the_wrong_secret_cannot_register(ps_job) -> None:
         config = job.client_config(0, TAGPS_PS_SECRET="guess", PS_HEARTBEAT_TIMEOUT="1.5")
         with pytest.raises(JobFailed, match=r"scheduler .* sent nothing"):
             PSClient(config)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"DMLC_WORKER_ID": "0"}, "DMLC_WORKER_ID=0 is already registered"),
+        ({"DMLC_WORKER_ID": "1", "DMLC_NUM_SERVER": "3"}, "DMLC_NUM_SERVER=3 differs from the scheduler's 1"),
+    ],
+)
+def test_scheduler_rejects_conflicting_registrations(ps_job, override: dict[str, str], message: str) -> None:
+    import threading
+
+    with ps_job(num_workers=2, num_servers=1, server_args=[]) as job:
+        outcome: list[BaseException] = []
+
+        def first_worker() -> None:  # registers, then waits for a job that never completes
+            try:
+                PSClient(job.client_config(0))
+            except JobFailed as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=first_worker)
+        thread.start()
+        time.sleep(0.5)
+        env = {k: v for k, v in override.items() if k != "DMLC_WORKER_ID"}
+        with pytest.raises(JobFailed, match=message):
+            PSClient(job.client_config(int(override["DMLC_WORKER_ID"]), **env))
+        assert job.scheduler is not None
+        job.scheduler.kill()  # the waiting worker then fails within PS_HEARTBEAT_TIMEOUT instead of hanging
+        thread.join(timeout=20)
+        assert not thread.is_alive() and outcome and "sent nothing" in str(outcome[0])
