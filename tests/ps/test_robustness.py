@@ -1,7 +1,8 @@
-"""A summation server survives garbage, and CURVE keeps out peers without the job's secret."""
+"""Servers survive garbage, CURVE keeps out peers without the secret, bad registrations are refused."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -140,8 +141,6 @@ def test_worker_with_the_wrong_secret_cannot_register(ps_job) -> None:
     ],
 )
 def test_scheduler_rejects_conflicting_registrations(ps_job, override: dict[str, str], message: str) -> None:
-    import threading
-
     with ps_job(num_workers=2, num_servers=1, server_args=[]) as job:
         outcome: list[BaseException] = []
 
