@@ -30,8 +30,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = [
+    "FLAG_ASYNC",
+    "FLAG_AVERAGE",
+    "FLAG_SERVER_OPTIMIZER",
     "HEADER_SIZE",
+    "MAGIC",
     "MAX_CHUNKS",
+    "MAX_JSON_BYTES",
     "PROTOCOL_VERSION",
     "SCHEDULER_NODE_ID",
     "DType",
