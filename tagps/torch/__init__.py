@@ -15,9 +15,10 @@ from tagps.comm.handle import Handle
 from tagps.torch import ops
 from tagps.torch.compression import Compression, Compressor
 from tagps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from tagps.torch.optimizer import Average, DistributedOptimizer, ReduceOp, Sum
+from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, ReduceOp, Sum
 
 __all__ = [
+    "Adasum",
     "Average",
     "Compression",
     "DistributedOptimizer",
@@ -25,6 +26,7 @@ __all__ = [
     "ReduceOp",
     "Sum",
     "allgather",
+    "allgather_object",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -35,10 +37,14 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "gloo_built",
     "init",
     "is_initialized",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_threads_supported",
+    "nccl_built",
     "poll",
     "push_pull",
     "push_pull_async",
@@ -192,8 +198,8 @@ def _average_flag(average: bool | None, op: ReduceOp | None) -> bool:
     if average is not None and op is not None:
         raise ValueError("pass either average or op, not both")
     if op is not None:
-        if not isinstance(op, ReduceOp):
-            raise ValueError(f"op must be Average or Sum, got {op!r}")
+        if op not in (Average, Sum):
+            raise ValueError(f"op must be Average or Sum, got {op!r} (tagps has no Adasum)")
         return op is Average
     return True if average is None else bool(average)
 
@@ -262,6 +268,36 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` (a new tensor; the argument is unchanged)."""
     return broadcast_(tensor.detach().clone(), root_rank, name)
+
+
+def allgather_object(obj: object, name: str | None = None) -> list[object]:
+    """Return every worker's ``obj`` (pickled), in rank order."""
+    gathered: list[object] = [None] * size()
+    if size() == 1:
+        gathered[0] = obj
+    else:
+        dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def gloo_built() -> bool:
+    """Return whether collectives can run over gloo (Horovod's capability query)."""
+    return dist.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    """Return whether collectives can run over NCCL (Horovod's capability query)."""
+    return dist.is_nccl_available()
+
+
+def mpi_built() -> bool:
+    """Return ``False``: tagps does not use MPI (Horovod's capability query)."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """Return ``False``: tagps does not use MPI (Horovod's capability query)."""
+    return False
 
 
 def barrier() -> None:

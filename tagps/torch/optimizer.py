@@ -27,18 +27,20 @@ from tagps.torch import ops
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.strategy import resolve_strategy
 
-__all__ = ["Average", "DistributedOptimizer", "ReduceOp", "Sum"]
+__all__ = ["Adasum", "Average", "DistributedOptimizer", "ReduceOp", "Sum"]
 
 
 class ReduceOp(enum.Enum):
-    """How the workers' gradients are combined."""
+    """How the workers' gradients are combined (``ADASUM`` exists for Horovod scripts and is refused)."""
 
     AVERAGE = "average"
     SUM = "sum"
+    ADASUM = "adasum"
 
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -63,8 +65,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
             )
-        if not isinstance(op, ReduceOp):
-            raise ValueError(f"op must be Average or Sum, got {op!r} (Adasum is not supported)")
+        if op not in (Average, Sum):
+            raise ValueError(f"op must be Average or Sum, got {op!r} (tagps has no Adasum)")
         if not (isinstance(compression, type) and issubclass(compression, Compressor)):
             raise TypeError(f"compression must be one of Compression.none/fp16/bf16, got {compression!r}")
         self._opt = optimizer

@@ -81,6 +81,8 @@ def test_push_pull_argument_errors(world_of_one: None) -> None:
         bps.push_pull([1.0, 2.0])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="either average or op"):
         bps.allreduce(torch.ones(1), average=True, op=bps.Sum)
+    with pytest.raises(ValueError, match="tagps has no Adasum"):
+        bps.allreduce(torch.ones(1), op=bps.Adasum)
 
 
 def test_broadcast_and_gather_helpers(world_of_one: None) -> None:
@@ -88,6 +90,8 @@ def test_broadcast_and_gather_helpers(world_of_one: None) -> None:
     assert torch.equal(bps.broadcast(t, root_rank=0), t)
     assert torch.equal(bps.allgather(t), t)
     assert bps.broadcast_object({"a": 1}) == {"a": 1}
+    assert bps.allgather_object({"a": 1}) == [{"a": 1}]
+    assert bps.gloo_built() and not bps.mpi_built() and not bps.mpi_threads_supported()
     with pytest.raises(ValueError, match="root_rank must be a rank in"):
         bps.broadcast_(t, root_rank=1)
     bps.barrier()
@@ -157,7 +161,7 @@ def test_optimizer_argument_errors(world_of_one: None) -> None:
     with pytest.raises(ValueError, match="backward_passes_per_step must be an int >= 1"):
         bps.DistributedOptimizer(sgd, backward_passes_per_step=0)
     with pytest.raises(ValueError, match="op must be Average or Sum"):
-        bps.DistributedOptimizer(sgd, op="adasum")  # type: ignore[arg-type]
+        bps.DistributedOptimizer(sgd, op=bps.Adasum)
     with pytest.raises(ValueError, match="missing from named_parameters"):
         bps.DistributedOptimizer(sgd, named_parameters=list(model.named_parameters())[:1])
     with pytest.raises(ValueError, match=re.escape("has the name '0.weight' twice")):
