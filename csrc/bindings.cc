@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -113,88 +114,114 @@ void cast(py::array dst, const py::array& src, int dst_code, int src_code) {
   tagps::kernels::cast(o);
 }
 
-// float32 state buffer of `count` elements (nullptr when absent); its region joins `regions`.
-float* f32_state(std::optional<py::array>& a, size_t count, const char* what,
-                 std::vector<Region>& regions) {
+// Calls fn(T{}) with T = float or double for an optimizer step's dtype code.
+template <typename Fn>
+void visit_float(int dtype_code, Fn&& fn) {
+  const DType dtype = tagps::dtype_from_code(dtype_code);
+  if (dtype == DType::kFloat32) return fn(float{});
+  if (dtype == DType::kFloat64) return fn(double{});
+  throw tagps::InvalidType(std::string("the optimizer steps take float32 or float64, got ") +
+                           tagps::dtype_name(dtype));
+}
+
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
+}
+
+// State buffer of `count` elements of T (nullptr when absent); its region joins `regions`.
+template <typename T>
+T* state_buffer(std::optional<py::array>& a, size_t count, const char* what, std::vector<Region>& regions) {
   if (!a) return nullptr;
   TAGPS_ENFORCE_EQ(static_cast<size_t>(a->size()), count, what, " size");
   regions.push_back(region(*a, what));
-  return static_cast<float*>(writable(*a, DType::kFloat32, what));
+  return static_cast<T*>(writable(*a, dtype_of<T>(), what));
 }
 
 // param (written) and grad (read) of an optimizer step; their regions start `regions`.
-void param_grad(py::array& param, const py::array& grad, size_t& count, float*& p, const float*& g,
-                std::vector<Region>& regions) {
-  count = static_cast<size_t>(param.size());
-  p = static_cast<float*>(writable(param, DType::kFloat32, "param"));
-  g = static_cast<const float*>(readable(grad, DType::kFloat32, count, "grad"));
+template <typename Options>
+void param_grad(py::array& param, const py::array& grad, Options& o, std::vector<Region>& regions) {
+  using T = std::remove_pointer_t<decltype(o.param)>;
+  o.count = static_cast<size_t>(param.size());
+  o.param = static_cast<T*>(writable(param, dtype_of<T>(), "param"));
+  o.grad = static_cast<const T*>(readable(grad, dtype_of<T>(), o.count, "grad"));
   regions = {region(param, "param"), region(grad, "grad")};
 }
 
 void adam_step(py::array param, const py::array& grad, py::array exp_avg, py::array exp_avg_sq,
-               std::optional<py::array> max_exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay) {
-  tagps::kernels::AdamOptions o;
-  std::vector<Region> regions;
-  param_grad(param, grad, o.count, o.param, o.grad, regions);
-  std::optional<py::array> m(exp_avg), v(exp_avg_sq);
-  o.exp_avg = f32_state(m, o.count, "exp_avg", regions);
-  o.exp_avg_sq = f32_state(v, o.count, "exp_avg_sq", regions);
-  o.max_exp_avg_sq = f32_state(max_exp_avg_sq, o.count, "max_exp_avg_sq", regions);
-  check_disjoint(regions);
-  o.step = step;
-  o.lr = lr;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
-  o.eps = eps;
-  o.weight_decay = weight_decay;
-  o.amsgrad = amsgrad;
-  o.maximize = maximize;
-  o.decoupled_weight_decay = decoupled_weight_decay;
-  py::gil_scoped_release release;
-  tagps::kernels::adam_step(o);
+               std::optional<py::array> max_exp_avg_sq, int dtype_code, int64_t step, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
+               bool decoupled_weight_decay) {
+  visit_float(dtype_code, [&](auto tag) {
+    using T = decltype(tag);
+    tagps::kernels::AdamOptions<T> o;
+    std::vector<Region> regions;
+    param_grad(param, grad, o, regions);
+    std::optional<py::array> m(exp_avg), v(exp_avg_sq);
+    o.exp_avg = state_buffer<T>(m, o.count, "exp_avg", regions);
+    o.exp_avg_sq = state_buffer<T>(v, o.count, "exp_avg_sq", regions);
+    o.max_exp_avg_sq = state_buffer<T>(max_exp_avg_sq, o.count, "max_exp_avg_sq", regions);
+    check_disjoint(regions);
+    o.step = step;
+    o.lr = lr;
+    o.beta1 = beta1;
+    o.beta2 = beta2;
+    o.eps = eps;
+    o.weight_decay = weight_decay;
+    o.amsgrad = amsgrad;
+    o.maximize = maximize;
+    o.decoupled_weight_decay = decoupled_weight_decay;
+    py::gil_scoped_release release;
+    tagps::kernels::adam_step(o);
+  });
 }
 
 void rmsprop_step(py::array param, const py::array& grad, py::array square_avg,
-                  std::optional<py::array> momentum_buffer, std::optional<py::array> grad_avg, double lr,
-                  double alpha, double eps, double weight_decay, double momentum, bool centered,
+                  std::optional<py::array> momentum_buffer, std::optional<py::array> grad_avg, int dtype_code,
+                  double lr, double alpha, double eps, double weight_decay, double momentum, bool centered,
                   bool maximize) {
-  tagps::kernels::RmspropOptions o;
-  std::vector<Region> regions;
-  param_grad(param, grad, o.count, o.param, o.grad, regions);
-  std::optional<py::array> sq(square_avg);
-  o.square_avg = f32_state(sq, o.count, "square_avg", regions);
-  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer", regions);
-  o.grad_avg = f32_state(grad_avg, o.count, "grad_avg", regions);
-  check_disjoint(regions);
-  o.lr = lr;
-  o.alpha = alpha;
-  o.eps = eps;
-  o.weight_decay = weight_decay;
-  o.momentum = momentum;
-  o.centered = centered;
-  o.maximize = maximize;
-  py::gil_scoped_release release;
-  tagps::kernels::rmsprop_step(o);
+  visit_float(dtype_code, [&](auto tag) {
+    using T = decltype(tag);
+    tagps::kernels::RmspropOptions<T> o;
+    std::vector<Region> regions;
+    param_grad(param, grad, o, regions);
+    std::optional<py::array> sq(square_avg);
+    o.square_avg = state_buffer<T>(sq, o.count, "square_avg", regions);
+    o.momentum_buffer = state_buffer<T>(momentum_buffer, o.count, "momentum_buffer", regions);
+    o.grad_avg = state_buffer<T>(grad_avg, o.count, "grad_avg", regions);
+    check_disjoint(regions);
+    o.lr = lr;
+    o.alpha = alpha;
+    o.eps = eps;
+    o.weight_decay = weight_decay;
+    o.momentum = momentum;
+    o.centered = centered;
+    o.maximize = maximize;
+    py::gil_scoped_release release;
+    tagps::kernels::rmsprop_step(o);
+  });
 }
 
-void sgd_step(py::array param, const py::array& grad, std::optional<py::array> momentum_buffer, double lr,
-              double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
-              bool first_step) {
-  tagps::kernels::SgdOptions o;
-  std::vector<Region> regions;
-  param_grad(param, grad, o.count, o.param, o.grad, regions);
-  o.momentum_buffer = f32_state(momentum_buffer, o.count, "momentum_buffer", regions);
-  check_disjoint(regions);
-  o.lr = lr;
-  o.momentum = momentum;
-  o.dampening = dampening;
-  o.weight_decay = weight_decay;
-  o.nesterov = nesterov;
-  o.maximize = maximize;
-  o.first_step = first_step;
-  py::gil_scoped_release release;
-  tagps::kernels::sgd_step(o);
+void sgd_step(py::array param, const py::array& grad, std::optional<py::array> momentum_buffer,
+              int dtype_code, double lr, double momentum, double dampening, double weight_decay,
+              bool nesterov, bool maximize, bool first_step) {
+  visit_float(dtype_code, [&](auto tag) {
+    using T = decltype(tag);
+    tagps::kernels::SgdOptions<T> o;
+    std::vector<Region> regions;
+    param_grad(param, grad, o, regions);
+    o.momentum_buffer = state_buffer<T>(momentum_buffer, o.count, "momentum_buffer", regions);
+    check_disjoint(regions);
+    o.lr = lr;
+    o.momentum = momentum;
+    o.dampening = dampening;
+    o.weight_decay = weight_decay;
+    o.nesterov = nesterov;
+    o.maximize = maximize;
+    o.first_step = first_step;
+    py::gil_scoped_release release;
+    tagps::kernels::sgd_step(o);
+  });
 }
 
 }  // namespace
@@ -227,17 +254,17 @@ PYBIND11_MODULE(_core, m) {
   m.def("cast", &cast, buffer("dst"), buffer("src"), py::arg("dst_dtype"), py::arg("src_dtype"),
         R"pbdoc(dst = src converted between float32 and float16/bfloat16 (round-to-nearest-even).)pbdoc");
   m.def("adam_step", &adam_step, buffer("param"), buffer("grad"), buffer("exp_avg"), buffer("exp_avg_sq"),
-        optional_buffer("max_exp_avg_sq"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
-        py::arg("decoupled_weight_decay"), R"pbdoc(Fused Adam/AdamW step on float32 buffers.)pbdoc");
+        optional_buffer("max_exp_avg_sq"), py::arg("dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
+        py::arg("decoupled_weight_decay"), R"pbdoc(Fused Adam/AdamW step on float32/float64 buffers.)pbdoc");
   m.def("rmsprop_step", &rmsprop_step, buffer("param"), buffer("grad"), buffer("square_avg"),
-        optional_buffer("momentum_buffer"), optional_buffer("grad_avg"), py::arg("lr"), py::arg("alpha"),
-        py::arg("eps"), py::arg("weight_decay"), py::arg("momentum"), py::arg("centered"),
-        py::arg("maximize"), R"pbdoc(Fused RMSprop step on float32 buffers.)pbdoc");
+        optional_buffer("momentum_buffer"), optional_buffer("grad_avg"), py::arg("dtype"), py::arg("lr"),
+        py::arg("alpha"), py::arg("eps"), py::arg("weight_decay"), py::arg("momentum"), py::arg("centered"),
+        py::arg("maximize"), R"pbdoc(Fused RMSprop step on float32/float64 buffers.)pbdoc");
   m.def("sgd_step", &sgd_step, buffer("param"), buffer("grad"), optional_buffer("momentum_buffer"),
-        py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"),
+        py::arg("dtype"), py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"),
         py::arg("nesterov"), py::arg("maximize"), py::arg("first_step"),
-        R"pbdoc(Fused SGD step on float32 buffers.)pbdoc");
+        R"pbdoc(Fused SGD step on float32/float64 buffers.)pbdoc");
 
   m.def("cpu_has_avx2", &tagps::cpu_has_avx2,
         R"pbdoc(True when the build has the AVX2 kernels and the CPU has AVX2, FMA and F16C.)pbdoc");

@@ -7,8 +7,9 @@ releases the GIL while the C++ code runs, so several threads can reduce at once.
 
 Supported element types of :func:`sum_into` and :func:`scale`: float32, float64, float16, bfloat16
 (``torch.bfloat16``, or a numpy ``uint16`` array holding bfloat16 bit patterns), int32 and int64. The
-optimizer steps take float32. The SIMD path (AVX2/FMA/F16C or portable scalar) and the OpenMP thread
-count start from :func:`tagps.config.kernel_config` (``TAGPS_SIMD``, ``TAGPS_NUM_THREADS``).
+optimizer steps take float32 or float64 (every buffer of a step in the parameter's dtype). The SIMD path
+(AVX2/FMA/F16C or portable scalar) and the OpenMP thread count start from
+:func:`tagps.config.kernel_config` (``TAGPS_SIMD``, ``TAGPS_NUM_THREADS``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ _CAST_PAIRS = frozenset(
     for pair in ((half, _FLOAT32), (_FLOAT32, half))
 )
 _INT_CODES = frozenset({int(_core.DType.int32), int(_core.DType.int64)})
+_OPTIMIZER_CODES = frozenset({_FLOAT32, int(_core.DType.float64)})
 _SUPPORTED = "float32, float64, float16, bfloat16 (torch.bfloat16 or numpy uint16), int32, int64"
 
 
@@ -202,23 +204,28 @@ def cast(dst: Any, src: Any) -> None:
     _core.cast(out, inp, out_code, in_code)
 
 
-def _optimizer_buffers(param: Any, grad: Any, **states: Any) -> dict[str, np.ndarray | None]:
-    """Validate the float32 buffers of an optimizer step (as many elements as ``param``); None stays
-    None. The core rejects buffers that share memory."""
-    arrays: dict[str, np.ndarray | None] = {}
-    inputs = [("param", param, True), ("grad", grad, False), *((n, x, True) for n, x in states.items())]
-    for name, x, writable in inputs:
+def _optimizer_buffers(param: Any, grad: Any, **states: Any) -> tuple[dict[str, np.ndarray | None], int]:
+    """Validate the buffers of an optimizer step: float32 or float64, all of ``param``'s dtype and number
+    of elements; None stays None. The core rejects buffers that share memory.
+
+    Returns:
+        The arrays by name and their dtype code.
+    """
+    p, code = _buffer(param, "param", writable=True)
+    if code not in _OPTIMIZER_CODES:
+        raise TypeError(f"param has dtype {_CODE_NAMES[code]}; the optimizer steps take float32 or float64")
+    arrays: dict[str, np.ndarray | None] = {"param": p}
+    for name, x, writable in [("grad", grad, False), *((n, x, True) for n, x in states.items())]:
         if x is None:
             arrays[name] = None
             continue
-        array, code = _buffer(x, name, writable=writable)
-        if code != _FLOAT32:
-            raise TypeError(f"{name} has dtype {_CODE_NAMES[code]}; the optimizer steps take float32")
-        size = arrays["param"].size if arrays else array.size  # type: ignore[union-attr]
-        if array.size != size:
-            raise ValueError(f"{name} has {array.size} elements but param has {size}")
+        array, other = _buffer(x, name, writable=writable)
+        if other != code:
+            raise TypeError(f"{name} has dtype {_CODE_NAMES[other]} but param has {_CODE_NAMES[code]}")
+        if array.size != p.size:
+            raise ValueError(f"{name} has {array.size} elements but param has {p.size}")
         arrays[name] = array
-    return arrays
+    return arrays, code
 
 
 def _nonneg(value: Any, name: str) -> float:
@@ -262,9 +269,9 @@ def sgd_step(
         p &= p - \gamma\,(g + \mu b \text{ if nesterov else } b)
 
     Args:
-        param: float32 parameters, updated in place.
-        grad: float32 gradient.
-        momentum_buffer: float32 buffer, required when ``momentum != 0``.
+        param: float32 or float64 parameters, updated in place.
+        grad: gradient of ``param``'s dtype.
+        momentum_buffer: buffer of ``param``'s dtype, required when ``momentum != 0``.
         lr: learning rate :math:`\gamma`.
         momentum: :math:`\mu` (default 0).
         dampening: :math:`\tau` (default 0).
@@ -281,9 +288,9 @@ def sgd_step(
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     if momentum != 0.0 and momentum_buffer is None:
         raise ValueError("momentum != 0 needs a momentum_buffer")
-    a = _optimizer_buffers(param, grad, momentum_buffer=momentum_buffer if momentum != 0.0 else None)
+    a, code = _optimizer_buffers(param, grad, momentum_buffer=momentum_buffer if momentum != 0.0 else None)
     _core.sgd_step(
-        a["param"], a["grad"], a["momentum_buffer"], lr, momentum, dampening, weight_decay, nesterov,
+        a["param"], a["grad"], a["momentum_buffer"], code, lr, momentum, dampening, weight_decay, nesterov,
         maximize, first_step,
     )
 
@@ -316,13 +323,13 @@ def _adam(
     amsgrad, maximize = _flag(amsgrad, "amsgrad"), _flag(maximize, "maximize")
     if amsgrad and max_exp_avg_sq is None:
         raise ValueError("amsgrad=True needs a max_exp_avg_sq buffer")
-    a = _optimizer_buffers(
+    a, code = _optimizer_buffers(
         param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
         max_exp_avg_sq=max_exp_avg_sq if amsgrad else None,
     )
     _core.adam_step(
-        a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["max_exp_avg_sq"], int(step), lr, beta1,
-        beta2, eps, weight_decay, amsgrad, maximize, decoupled,
+        a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["max_exp_avg_sq"], code, int(step), lr,
+        beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
     )
 
 
@@ -351,11 +358,11 @@ def adam_step(
         \quad \hat v = \max(v_{\max}, v) \text{ if amsgrad else } v
 
     Args:
-        param: float32 parameters, updated in place.
-        grad: float32 gradient.
-        exp_avg: float32 first moment, updated in place.
-        exp_avg_sq: float32 second moment, updated in place.
-        max_exp_avg_sq: float32 running maximum of the second moment, required when ``amsgrad``.
+        param: float32 or float64 parameters, updated in place.
+        grad: gradient of ``param``'s dtype.
+        exp_avg: first moment (``param``'s dtype), updated in place.
+        exp_avg_sq: second moment, updated in place.
+        max_exp_avg_sq: running maximum of the second moment, required when ``amsgrad``.
         step: 1-based count of this step :math:`t` (torch's ``state["step"]`` after its increment).
         lr: learning rate :math:`\gamma` (default 1e-3).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)).
@@ -420,11 +427,11 @@ def rmsprop_step(
         b = \mu b + g / d, \quad p = p - \gamma b \text{ (momentum) or } p - \gamma g / d
 
     Args:
-        param: float32 parameters, updated in place.
-        grad: float32 gradient.
-        square_avg: float32 running average of :math:`g^2`, updated in place.
-        momentum_buffer: float32 buffer, required when ``momentum > 0``.
-        grad_avg: float32 running average of :math:`g`, required when ``centered``.
+        param: float32 or float64 parameters, updated in place.
+        grad: gradient of ``param``'s dtype.
+        square_avg: running average of :math:`g^2` (``param``'s dtype), updated in place.
+        momentum_buffer: buffer, required when ``momentum > 0``.
+        grad_avg: running average of :math:`g`, required when ``centered``.
         lr: learning rate :math:`\gamma` (default 1e-2).
         alpha: smoothing constant :math:`\alpha` (default 0.99).
         eps: :math:`\epsilon` (default 1e-8).
@@ -440,13 +447,13 @@ def rmsprop_step(
         raise ValueError("momentum > 0 needs a momentum_buffer")
     if centered and grad_avg is None:
         raise ValueError("centered=True needs a grad_avg buffer")
-    a = _optimizer_buffers(
+    a, code = _optimizer_buffers(
         param, grad, square_avg=square_avg,
         momentum_buffer=momentum_buffer if momentum > 0.0 else None,
         grad_avg=grad_avg if centered else None,
     )
     _core.rmsprop_step(
-        a["param"], a["grad"], a["square_avg"], a["momentum_buffer"], a["grad_avg"], lr, alpha, eps,
+        a["param"], a["grad"], a["square_avg"], a["momentum_buffer"], a["grad_avg"], code, lr, alpha, eps,
         weight_decay, momentum, centered, maximize,
     )
 

@@ -5,9 +5,9 @@ same constructor arguments and defaults, same state names (``step``, ``exp_avg``
 ``max_exp_avg_sq``, ``momentum_buffer``, ``square_avg``, ``grad_avg``), so their ``state_dict`` loads into
 torch's optimizers and back. Each parameter is updated by one fused pass
 (:mod:`tagps.kernels`) instead of torch's several element-wise kernels; the numbers match torch's
-single-tensor implementation to float32 rounding.
+single-tensor implementation to rounding.
 
-Parameters must be dense, contiguous float32 CPU tensors. ``fused``, ``capturable`` and
+Parameters must be dense, contiguous float32 or float64 CPU tensors. ``fused``, ``capturable`` and
 ``differentiable`` are rejected; ``foreach`` is accepted and has no effect (there is one implementation).
 """
 
@@ -26,13 +26,13 @@ _UNSUPPORTED = ("fused", "capturable", "differentiable")
 
 
 def _check_param(p: torch.Tensor, owner: str) -> None:
-    """A CPU float32 dense parameter with a dense gradient."""
+    """A dense float32/float64 CPU parameter with a dense gradient."""
     if p.device.type != "cpu":
         raise TypeError(f"{owner} runs on CPU tensors; got a parameter on {p.device}")
     if p.is_complex():
         raise TypeError(f"{owner} does not support complex parameters (dtype {p.dtype})")
-    if p.dtype != torch.float32:
-        raise TypeError(f"{owner} runs on float32 parameters; got {p.dtype}")
+    if p.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{owner} runs on float32 or float64 parameters; got {p.dtype}")
     if p.layout != torch.strided or p.grad.layout != torch.strided:
         raise TypeError(f"{owner} does not support sparse parameters or gradients")
 

@@ -1,5 +1,5 @@
-// Fused Adam / AdamW step on float32 buffers with torch.optim.Adam's (single-tensor) semantics and order
-// of operations.
+// Fused Adam / AdamW step on float32 or float64 buffers with torch.optim.Adam's (single-tensor) semantics
+// and order of operations.
 #pragma once
 
 #include <cstddef>
@@ -7,12 +7,13 @@
 
 namespace tagps::kernels {
 
+template <typename T>
 struct AdamOptions {
-  float* param = nullptr;
-  const float* grad = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
-  float* max_exp_avg_sq = nullptr;  // required when amsgrad
+  T* param = nullptr;
+  const T* grad = nullptr;
+  T* exp_avg = nullptr;
+  T* exp_avg_sq = nullptr;
+  T* max_exp_avg_sq = nullptr;  // required when amsgrad
   size_t count = 0;
   int64_t step = 1;  // 1-based step count (after this update), for bias correction
   double lr = 1e-3;
@@ -25,26 +26,30 @@ struct AdamOptions {
   bool decoupled_weight_decay = false;  // AdamW
 };
 
-// One step, per element (g = -grad when maximize; constants rounded to float32 as torch does):
+// One step, per element (g = -grad when maximize; constants rounded to T as torch does):
 //   AdamW: p *= 1 - lr*wd             Adam: g = fma(p, wd, g)
 //   m = fma(1-beta1, g - m, m)         (torch's lerp; fma(-beta1, g - m, g) when 1-beta1 >= 0.5)
 //   v = fma((1-beta2)*g, g, v*beta2)  (torch's addcmul)
 //   amsgrad: vmax = max(vmax, v), use vmax for v below
 //   p = p + (-lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps),  bc_k = 1 - beta_k^step
-void adam_step(const AdamOptions& options);
+void adam_step(const AdamOptions<float>& options);
+void adam_step(const AdamOptions<double>& options);
 
 namespace detail {
 
+template <typename T>
 struct AdamCoeffs {
-  float decay, wd, w, w_minus_one, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+  T decay, wd, w, w_minus_one, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
   bool decay_on, wd_on, lerp_small, amsgrad, maximize;
 };
 
-AdamCoeffs adam_coeffs(const AdamOptions& o);
+template <typename T>
+AdamCoeffs<T> adam_coeffs(const AdamOptions<T>& o);
 
 // Updates elements [begin, end) in steps of Ops::kWidth and returns where it stopped (end for ScalarOps).
 template <class Ops>
-size_t adam_apply(const AdamOptions& o, const AdamCoeffs& c, size_t begin, size_t end) {
+size_t adam_apply(const AdamOptions<typename Ops::T>& o, const AdamCoeffs<typename Ops::T>& c, size_t begin,
+                  size_t end) {
   using V = typename Ops::V;
   const V decay = Ops::set1(c.decay), wd = Ops::set1(c.wd), w = Ops::set1(c.w);
   const V w_minus_one = Ops::set1(c.w_minus_one), beta2 = Ops::set1(c.beta2);
@@ -74,7 +79,8 @@ size_t adam_apply(const AdamOptions& o, const AdamCoeffs& c, size_t begin, size_
   return i;
 }
 
-void adam_avx2(const AdamOptions& o, const AdamCoeffs& c, size_t begin, size_t end);
+void adam_avx2(const AdamOptions<float>& o, const AdamCoeffs<float>& c, size_t begin, size_t end);
+void adam_avx2(const AdamOptions<double>& o, const AdamCoeffs<double>& c, size_t begin, size_t end);
 
 }  // namespace detail
 }  // namespace tagps::kernels

@@ -1,17 +1,18 @@
-// Fused RMSprop step on float32 buffers with torch.optim.RMSprop's (single-tensor) semantics and order
-// of operations.
+// Fused RMSprop step on float32 or float64 buffers with torch.optim.RMSprop's (single-tensor) semantics
+// and order of operations.
 #pragma once
 
 #include <cstddef>
 
 namespace tagps::kernels {
 
+template <typename T>
 struct RmspropOptions {
-  float* param = nullptr;
-  const float* grad = nullptr;
-  float* square_avg = nullptr;
-  float* momentum_buffer = nullptr;  // required when momentum > 0
-  float* grad_avg = nullptr;         // required when centered
+  T* param = nullptr;
+  const T* grad = nullptr;
+  T* square_avg = nullptr;
+  T* momentum_buffer = nullptr;  // required when momentum > 0
+  T* grad_avg = nullptr;         // required when centered
   size_t count = 0;
   double lr = 1e-2;
   double alpha = 0.99;
@@ -26,19 +27,23 @@ struct RmspropOptions {
 //   g = fma(p, wd, g);  sq = fma((1-alpha)*g, g, sq*alpha)
 //   centered: ga = fma(1-alpha, g - ga, ga); avg = sqrt(fma(-ga, ga, sq)) + eps   else sqrt(sq) + eps
 //   momentum > 0: buf = buf*momentum + g/avg; p = fma(buf, -lr, p)          else p = p + (-lr*g)/avg
-void rmsprop_step(const RmspropOptions& options);
+void rmsprop_step(const RmspropOptions<float>& options);
+void rmsprop_step(const RmspropOptions<double>& options);
 
 namespace detail {
 
+template <typename T>
 struct RmspropCoeffs {
-  float wd, alpha, one_minus_alpha, lerp_w_minus_one, eps, momentum, neg_lr;
+  T wd, alpha, one_minus_alpha, lerp_w_minus_one, eps, momentum, neg_lr;
   bool wd_on, centered, lerp_small, momentum_on, maximize;
 };
 
-RmspropCoeffs rmsprop_coeffs(const RmspropOptions& o);
+template <typename T>
+RmspropCoeffs<T> rmsprop_coeffs(const RmspropOptions<T>& o);
 
 template <class Ops>
-size_t rmsprop_apply(const RmspropOptions& o, const RmspropCoeffs& c, size_t begin, size_t end) {
+size_t rmsprop_apply(const RmspropOptions<typename Ops::T>& o, const RmspropCoeffs<typename Ops::T>& c,
+                     size_t begin, size_t end) {
   using V = typename Ops::V;
   const V wd = Ops::set1(c.wd), alpha = Ops::set1(c.alpha), one_minus_alpha = Ops::set1(c.one_minus_alpha);
   const V lerp_w_minus_one = Ops::set1(c.lerp_w_minus_one), eps = Ops::set1(c.eps);
@@ -74,7 +79,8 @@ size_t rmsprop_apply(const RmspropOptions& o, const RmspropCoeffs& c, size_t beg
   return i;
 }
 
-void rmsprop_avx2(const RmspropOptions& o, const RmspropCoeffs& c, size_t begin, size_t end);
+void rmsprop_avx2(const RmspropOptions<float>& o, const RmspropCoeffs<float>& c, size_t begin, size_t end);
+void rmsprop_avx2(const RmspropOptions<double>& o, const RmspropCoeffs<double>& c, size_t begin, size_t end);
 
 }  // namespace detail
 }  // namespace tagps::kernels

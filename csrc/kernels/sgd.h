@@ -1,15 +1,16 @@
-// Fused SGD step (momentum, dampening, Nesterov, weight decay) on float32 buffers with torch.optim.SGD's
-// (single-tensor) semantics.
+// Fused SGD step (momentum, dampening, Nesterov, weight decay) on float32 or float64 buffers with
+// torch.optim.SGD's (single-tensor) semantics.
 #pragma once
 
 #include <cstddef>
 
 namespace tagps::kernels {
 
+template <typename T>
 struct SgdOptions {
-  float* param = nullptr;
-  const float* grad = nullptr;
-  float* momentum_buffer = nullptr;  // required when momentum != 0
+  T* param = nullptr;
+  const T* grad = nullptr;
+  T* momentum_buffer = nullptr;  // required when momentum != 0
   size_t count = 0;
   double lr = 1e-3;
   double momentum = 0.0;
@@ -26,19 +27,23 @@ struct SgdOptions {
 //   momentum != 0: buf = first_step ? g : fma(g, 1-dampening, buf*momentum)
 //                  g = nesterov ? fma(buf, momentum, g) : buf
 //   p = fma(g, -lr, p)
-void sgd_step(const SgdOptions& options);
+void sgd_step(const SgdOptions<float>& options);
+void sgd_step(const SgdOptions<double>& options);
 
 namespace detail {
 
+template <typename T>
 struct SgdCoeffs {
-  float wd, momentum, one_minus_dampening, neg_lr;
+  T wd, momentum, one_minus_dampening, neg_lr;
   bool wd_on, momentum_on, nesterov, maximize, first_step;
 };
 
-SgdCoeffs sgd_coeffs(const SgdOptions& o);
+template <typename T>
+SgdCoeffs<T> sgd_coeffs(const SgdOptions<T>& o);
 
 template <class Ops>
-size_t sgd_apply(const SgdOptions& o, const SgdCoeffs& c, size_t begin, size_t end) {
+size_t sgd_apply(const SgdOptions<typename Ops::T>& o, const SgdCoeffs<typename Ops::T>& c, size_t begin,
+                 size_t end) {
   using V = typename Ops::V;
   const V wd = Ops::set1(c.wd), momentum = Ops::set1(c.momentum);
   const V one_minus_dampening = Ops::set1(c.one_minus_dampening), neg_lr = Ops::set1(c.neg_lr);
@@ -60,7 +65,8 @@ size_t sgd_apply(const SgdOptions& o, const SgdCoeffs& c, size_t begin, size_t e
   return i;
 }
 
-void sgd_avx2(const SgdOptions& o, const SgdCoeffs& c, size_t begin, size_t end);
+void sgd_avx2(const SgdOptions<float>& o, const SgdCoeffs<float>& c, size_t begin, size_t end);
+void sgd_avx2(const SgdOptions<double>& o, const SgdCoeffs<double>& c, size_t begin, size_t end);
 
 }  // namespace detail
 }  // namespace tagps::kernels

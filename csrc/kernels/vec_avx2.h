@@ -115,13 +115,18 @@ struct Vec<DType::kInt64> {
 
 namespace tagps::kernels::detail {
 
-// Eight-lane counterpart of ScalarOps (ops.h), operation for operation.
-struct Avx2Ops {
+// Vector counterparts of ScalarOps (ops.h), operation for operation: eight float or four double lanes.
+template <typename E>
+struct Avx2Ops;
+
+template <>
+struct Avx2Ops<float> {
+  using T = float;
   using V = __m256;
   static constexpr size_t kWidth = 8;
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const T* p) { return _mm256_loadu_ps(p); }
+  static void store(T* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(T x) { return _mm256_set1_ps(x); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -132,6 +137,26 @@ struct Avx2Ops {
   // vmaxps returns its second operand when either is NaN; put a's NaN back.
   static V max_nan(V a, V b) {
     return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+};
+
+template <>
+struct Avx2Ops<double> {
+  using T = double;
+  using V = __m256d;
+  static constexpr size_t kWidth = 4;
+  static V load(const T* p) { return _mm256_loadu_pd(p); }
+  static void store(T* p, V v) { _mm256_storeu_pd(p, v); }
+  static V set1(T x) { return _mm256_set1_pd(x); }
+  static V add(V a, V b) { return _mm256_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static V div(V a, V b) { return _mm256_div_pd(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_pd(a); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static V neg(V a) { return _mm256_xor_pd(a, _mm256_set1_pd(-0.0)); }
+  static V max_nan(V a, V b) {
+    return _mm256_blendv_pd(_mm256_max_pd(a, b), a, _mm256_cmp_pd(a, a, _CMP_UNORD_Q));
   }
 };
 
