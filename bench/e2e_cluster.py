@@ -182,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         skipped["Horovod"] = "horovod is installed, but this benchmark does not launch horovodrun yet"
     runs: list[dict[str, Any]] = []
+    exit_failures: list[dict[str, Any]] = []  # jobs that failed after rank 0 wrote its result
     plans_dir = args.out.parent / f"{args.out.stem}-plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
     with up(BENCH_CLUSTER) as cluster:
@@ -198,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     plan = plans[key][name]
                     runtime = "ddp" if name == "DP all-reduce" else "tagps"
                     result = run_plan(executor, model, plan, runtime, steps=steps, warmup=3)
+                    if result["job_status"] != 0:
+                        exit_failures.append(
+                            {"round": rnd, "model": model, "strategy": name, "status": result["job_status"],
+                             "output_tail": result["job_error"][-1500:]}
+                        )  # fmt: skip
                     print(
                         f"round {rnd}: {model:<17} {name:<16} {result['median_step_s'] * 1e3:8.1f} ms/step",
                         flush=True,
@@ -229,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "step_times_s": result["step_times_s"],
                         "loss_first": result["losses"][0],
                         "loss_last": result["losses"][-1],
+                        "job_status": result["job_status"],
+                        "job_error": result.get("job_error", ""),
                     }
                 )
         topology = executor.topology.to_dict()
@@ -257,12 +265,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "figures": figures,
         "targets": {k: {"min" if kind == "min" else "max": v} for k, (v, kind) in TARGETS.items()},
         "runs": runs,
+        "exit_failures": exit_failures,
         "skipped": skipped,
         "seconds": time.monotonic() - started,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(_table(runs, figures, skipped))
+    for f in exit_failures:
+        print(f"note: round {f['round']} {f['model']} {f['strategy']}: a process failed with status "
+              f"{f['status']} after the measurement (while leaving the job); see exit_failures in the JSON")
     print(f"wrote {args.out} in {result['seconds']:.0f} s")
     return 0
 

@@ -114,9 +114,15 @@ def run_plan(
         warmup: untimed steps first.
         env: extra environment of the processes.
 
+    Returns:
+        Rank 0's result (:mod:`tagps.cluster.train`) plus ``job_status``, the job's exit status, and, when
+        that is not 0 (a process failed after rank 0 wrote its result, i.e. while leaving the job),
+        ``job_error``, the end of the job's output.
+
     Raises:
         ValueError: the plan is not data-parallel or names devices the executor does not have.
-        RuntimeError: the job failed (the message holds the end of its output).
+        RuntimeError: the job failed before rank 0 wrote its result (the message holds the end of its
+            output).
     """
     from tagps.launcher import local_job, run_processes
 
@@ -143,10 +149,12 @@ def run_plan(
                 status = executor.cluster.run(
                     command, devices=devices, servers=servers, env=full_env, out=log
                 )
-            if status != 0 or not out.is_file():
-                log.seek(0)
-                tail = log.read().decode(errors="replace")[-4000:]
-                raise RuntimeError(
-                    f"training job of {model} ({runtime}) failed with status {status}:\n{tail}"
-                )
-        return json.loads(out.read_text())
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-4000:]
+        if not out.is_file():
+            raise RuntimeError(f"training job of {model} ({runtime}) failed with status {status}:\n{tail}")
+        result = json.loads(out.read_text())
+        result["job_status"] = status
+        if status != 0:  # after every timed step and the loss gather: a failure while leaving the job
+            result["job_error"] = tail
+        return result

@@ -109,7 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "samples_per_s": plan.batch_size / mean,
             "losses": global_losses,
         }
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        partial = Path(f"{args.out}.partial")
+        partial.write_text(json.dumps(result, indent=1))
+        partial.replace(args.out)  # whole or absent, whatever happens to the job afterwards
     # DDP's reducer must go before the process group it uses (else its destructor can abort the process).
     del optimizer, model
     dist.barrier()
