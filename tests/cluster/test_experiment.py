@@ -1,0 +1,59 @@
+"""Plans run as jobs: servers where the plan puts them, the DDP model plan, a local job end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tagps.cluster.experiment import DDP_BUCKET_BYTES, Executor, ddp_plan, plan_servers, run_plan
+from tagps.strategy.baselines import byteps_like, dp_nccl
+from tagps.strategy.simulator import Simulator
+from tagps.strategy.topology import DeviceGroup, Topology
+
+TOPOLOGY = Topology(
+    "two", (DeviceGroup("a", "CPU", 2, 10.0), DeviceGroup("b", "CPU", 1, 10.0)), 1.0, (), 1e-5, 1e-5
+)
+
+
+@pytest.fixture(scope="module")
+def sim() -> Simulator:
+    return Simulator.for_model("transformer-mini", TOPOLOGY, groups=4)
+
+
+def test_plan_servers_follow_the_plan(sim: Simulator) -> None:
+    assert plan_servers(dp_nccl(sim, 6)) == {}
+    assert plan_servers(byteps_like(sim, 6)) == {"a": 1, "b": 1}
+    # ps without explicit servers: the servers sit on the placement of the groups that use ps.
+    plan = dataclasses.replace(byteps_like(sim, 6, "sgd"), ps_servers=()).validate()
+    assert plan_servers(plan) == {"a": 1, "b": 1}
+    one = dataclasses.replace(plan, batch_shares={"a:0": 3, "a:1": 3, "b:0": 0})
+    one = dataclasses.replace(one, groups=tuple(dataclasses.replace(g, placement=("a",)) for g in one.groups))
+    assert plan_servers(one.validate()) == {"a": 1}
+
+
+def test_ddp_plan_models_distributed_data_parallel(sim: Simulator) -> None:
+    plan = ddp_plan(sim, 7)
+    assert plan.kind == "data-parallel"
+    assert plan.comm.overlap and plan.comm.fusion_bytes == DDP_BUCKET_BYTES
+    assert sorted(plan.batch_shares.values()) == [2, 2, 3]
+    assert {g.sync for g in plan.gradients.values()} == {"allreduce"}
+
+
+def test_run_plan_rejects_plans_it_cannot_run(sim: Simulator) -> None:
+    executor = Executor(Topology("one", (DeviceGroup("x", "CPU", 1, 10.0),), 1.0))
+    with pytest.raises(ValueError, match="not all in the executor's topology"):
+        run_plan(executor, "transformer-mini", dp_nccl(sim, 6))
+    with pytest.raises(ValueError, match="data-parallel"):
+        run_plan(executor, "transformer-mini", dataclasses.replace(dp_nccl(sim, 6), kind="general"))
+
+
+@pytest.mark.timeout(180)
+def test_a_ps_plan_trains_as_local_processes() -> None:
+    local = Topology("local", (DeviceGroup("local", "CPU", 2, 10.0),), 10.0)
+    plan = byteps_like(Simulator.for_model("transformer-mini", local, groups=4), 8)
+    result = run_plan(Executor(local), "transformer-mini", plan, steps=2, warmup=1)
+    assert result["job_status"] == 0 and "job_error" not in result
+    assert result["devices"] == ["local:0", "local:1"] and result["batch_size"] == 8
+    assert len(result["step_times_s"]) == 2 and len(result["losses"]) == 3
+    assert result["samples_per_s"] == pytest.approx(8 / result["mean_step_s"])
