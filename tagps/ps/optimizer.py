@@ -27,7 +27,7 @@ class OptimizerState:
 
 
 class ServerOptimizer:
-    """Apply ``config``'s optimizer to float32 weights.
+    """Apply ``config``'s optimizer to float32 or float64 weights.
 
     Args:
         config: optimizer name and hyperparameters; ``name`` must not be ``"none"``.
@@ -39,7 +39,7 @@ class ServerOptimizer:
         self.config = config
 
     def buffer_names(self) -> tuple[str, ...]:
-        """Names of the per-key state buffers this optimizer keeps (all float32, weight-sized)."""
+        """Names of the per-key state buffers this optimizer keeps (all of the weights' dtype and size)."""
         c = self.config
         if c.name in ("adam", "adamw"):
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if c.amsgrad else ("exp_avg", "exp_avg_sq")
@@ -52,9 +52,9 @@ class ServerOptimizer:
             names.append("grad_avg")
         return tuple(names)
 
-    def new_state(self, count: int) -> OptimizerState:
-        """Return zeroed state for a key of ``count`` float32 elements."""
-        return OptimizerState(0, {n: np.zeros(count, np.float32) for n in self.buffer_names()})
+    def new_state(self, count: int, dtype: np.dtype | type = np.float32) -> OptimizerState:
+        """Return zeroed state for a key of ``count`` elements of ``dtype`` (float32 or float64)."""
+        return OptimizerState(0, {n: np.zeros(count, dtype) for n in self.buffer_names()})
 
     def step(self, param: np.ndarray, grad: np.ndarray, state: OptimizerState) -> None:
         """Update ``param`` in place with one step on ``grad``, as ``torch.optim`` does."""

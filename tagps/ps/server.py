@@ -5,11 +5,13 @@ routes the message to the engine thread that owns its key (keys go to the least-
 when first declared), and forwards the engines' replies. Engine threads own the per-key state and do every
 sum with :func:`tagps.kernels.sum_into` (which releases the GIL, so engines really run in parallel).
 
-Sync mode: pushes of round ``r`` are held (zero-copy) until every worker pushed; then they are summed once
-into the key's preallocated buffer (float16/bfloat16 accumulate in float32 and round once), the optional
-optimizer step runs, and the pulls waiting for round ``r`` are answered, zero-copy from that buffer. A
-worker cannot push round ``r + 1`` before it received round ``r``, so the buffer is never overwritten while
-a reply that refers to it is queued.
+Sync mode: pushes of round ``r`` are held (zero-copy) until every worker pushed; then they are summed in
+one pass into the first received message buffer (float16/bfloat16 accumulate in float32 and round once),
+divided by the number of workers when the pushes ask for the mean, and the pulls waiting for round ``r`` are
+answered zero-copy from that buffer; the next round sums into new buffers, so a queued reply never changes.
+With a server optimizer the sum is the gradient of one step on the key's weights (updated in place, which
+is safe because a worker cannot push round ``r + 1`` before it received round ``r``), and pulls get the
+weights.
 
 Async mode (``BYTEPS_ENABLE_ASYNC=1``): each push is added to (or, with an optimizer, applied to) the store
 at once; a pull of round ``r`` waits until every worker pushed round ``r - TAGPS_MAX_STALENESS`` when that
@@ -264,8 +266,10 @@ class SummationServer:
             )
         if payload_size not in (0, header.nbytes):
             raise ProtocolError(f"INIT payload of {payload_size} bytes for a {header.nbytes}-byte key")
-        if self.optimizer is not None and dtype != DType.FLOAT32:
-            raise ProtocolError(f"TAGPS_SERVER_OPTIMIZER={self.optimizer.config.name} needs float32 keys")
+        if self.optimizer is not None and dtype not in (DType.FLOAT32, DType.FLOAT64):
+            raise ProtocolError(
+                f"TAGPS_SERVER_OPTIMIZER={self.optimizer.config.name} needs float32 or float64 keys"
+            )
         state = self.keys.get(key)
         if state is None:
             engine = min(range(len(self._loads)), key=self._loads.__getitem__)
@@ -324,7 +328,7 @@ class SummationServer:
                 if first is not None:
                     np.copyto(st.value, np.frombuffer(first.buffer, dtype))
                 if self.optimizer is not None:
-                    st.opt = self.optimizer.new_state(st.value.size)
+                    st.opt = self.optimizer.new_state(st.value.size, st.value.dtype)
             st.counts = np.zeros(st.num_workers, np.int64)
         st.pushed = bytearray(st.num_workers)
         st.inits.clear()

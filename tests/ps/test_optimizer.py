@@ -34,13 +34,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("config", "torch_cls", "kwargs"), CASES, ids=lambda c: getattr(c, "name", ""))
-def test_server_optimizer_matches_torch(config: ServerOptimizerConfig, torch_cls, kwargs) -> None:
+def test_server_optimizer_matches_torch(config: ServerOptimizerConfig, torch_cls, kwargs, dtype) -> None:
     rng = np.random.default_rng(0)
-    init = rng.standard_normal(1031).astype(np.float32)
-    grads = [rng.standard_normal(1031).astype(np.float32) for _ in range(4)]
+    init = rng.standard_normal(1031).astype(dtype)
+    grads = [rng.standard_normal(1031).astype(dtype) for _ in range(4)]
     optimizer = ServerOptimizer(config)
-    state = optimizer.new_state(init.size)
+    state = optimizer.new_state(init.size, init.dtype)
     param = init.copy()
     reference = torch.nn.Parameter(torch.from_numpy(init.copy()))
     torch_opt = torch_cls([reference], **kwargs)
