@@ -24,7 +24,8 @@ prefers those over more devices, moving towards more model parallelism until a p
 The budget is a number of iterations and/or seconds; with an iteration budget the search is reproducible
 for a given seed (ties are broken by a seeded generator). The best feasible plan seen is kept; at the end
 the SFB solver (:mod:`tagps.strategy.sfb`) decides per all-reduced gradient whether sufficient-factor
-broadcasting is cheaper, and tensor fusion is kept if the simulator says it helps.
+broadcasting is cheaper. Plans are costed with Horovod-style tensor fusion (64 MiB buffers); the best one
+keeps it unless the simulator says it is faster without.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
 
 SEARCH_OPTIONS = ("allreduce", "ps", "mp")
 MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
+ROOT_FPU = 1e6  # value of an untried root action: above any reward, so each is tried once first
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class SearchConfig:
         iterations: stop after this many iterations (None: no limit; then ``seconds`` must be set).
         seconds: stop after this many seconds of wall time (None: no limit).
         c_puct: exploration constant ``c`` of PUCT (default 1.5).
+        prior_mix: weight of the uniform prior mixed into a model's prior (default 0.25).
         seed: seed of the tie-breaking generator.
         data_parallel: only plans the first runtime executes: every group on the root's device groups,
             replicated (allreduce/ps); the plan's kind is ``data-parallel``.
@@ -114,6 +117,7 @@ class SearchConfig:
     iterations: int | None = 1000
     seconds: float | None = None
     c_puct: float = 1.5
+    prior_mix: float = 0.25
     seed: int = 0
     data_parallel: bool = False
     sfb: bool = True
@@ -130,6 +134,8 @@ class SearchConfig:
             raise ValueError(f"seconds must be > 0, got {self.seconds!r}")
         if not self.c_puct > 0:
             raise ValueError(f"c_puct must be > 0, got {self.c_puct!r}")
+        if not 0 <= self.prior_mix <= 1:
+            raise ValueError(f"prior_mix must be in [0, 1], got {self.prior_mix!r}")
 
 
 @dataclass
@@ -301,8 +307,11 @@ class _Search:
         self.cache: dict[tuple[int, ...], tuple[Plan | None, SimResult | None]] = {}
 
     # ------------------------------------------------------------------ plans
-    def plan(self, decided: Sequence[Action], comm: CommSettings | None = None) -> Plan:
-        """The partial plan of ``decided`` (undecided groups follow the first decided action)."""
+    def plan(self, decided: Sequence[Action]) -> Plan:
+        """The partial plan of ``decided`` (undecided groups follow the first decided action).
+
+        Gradient sync overlaps the backward pass, with Horovod-style 64 MiB tensor fusion.
+        """
         sim = self.sim
         per_group = [decided[0]] * len(sim.groups)
         for level, action in enumerate(decided):
@@ -329,7 +338,7 @@ class _Search:
             _shares(sim, self.batch, used, self.ctx.shares_weight),
             kind=kind,
             optimizer=self.config.optimizer,
-            comm=comm or CommSettings(overlap=True),
+            comm=CommSettings(overlap=True, fusion_bytes=HOROVOD_FUSION_BYTES),
         ).validate()
 
     def evaluate(self, decided: tuple[int, ...]) -> tuple[float, SimResult | None]:
@@ -373,14 +382,18 @@ class _Search:
             )
             if prior.shape != legal.shape or not np.all(np.isfinite(prior)) or prior.min() < 0:
                 raise RuntimeError(f"prior model returned an invalid prior of shape {prior.shape}")
-            prior = prior / prior.sum()
+            # Mixed with the uniform prior so that a confident model never starves an action forever.
+            prior = (1 - self.config.prior_mix) * prior / prior.sum() + self.config.prior_mix / len(legal)
         return _Node(decided, legal, prior, value, result)
 
     def select(self, node: _Node) -> int:
         """Position (into ``node.legal``) of the PUCT choice; only mp actions while nothing has fit."""
         n = node.visits
-        # First-play urgency: an untried edge is assumed as good as the node's own plan.
-        q = np.divide(node.total, n, out=np.full_like(node.total, node.value), where=n > 0)
+        # First-play urgency: below the root an untried edge is assumed as good as the node's own plan.
+        # At the root (whole-model actions, the decision that matters most) every action is tried once, in
+        # prior order, before any is refined.
+        fpu = ROOT_FPU if not node.decided else node.value
+        q = np.divide(node.total, n, out=np.full_like(node.total, fpu), where=n > 0)
         prior = node.prior
         score = q + self.config.c_puct * prior * math.sqrt(n.sum() + 1) / (1 + n)
         if self.best is None and self.evaluations:
@@ -436,15 +449,15 @@ class _Search:
         )
 
     def finish(self) -> tuple[Plan | None, float]:
-        """Polish the best plan (fusion, SFB) and attach the prediction."""
+        """Polish the best plan (without fusion if faster, SFB) and attach the prediction."""
         if self.best is None:
             return None, math.inf
         t, plan, result = self.best
         sim = self.sim
-        fused = replace(plan, comm=CommSettings(overlap=True, fusion_bytes=HOROVOD_FUSION_BYTES))
-        fused_result = sim.evaluate(fused)
-        if fused_result.feasible and fused_result.iteration_time < t:
-            t, plan, result = fused_result.iteration_time, fused, fused_result
+        unfused = replace(plan, comm=CommSettings(overlap=True))
+        unfused_result = sim.evaluate(unfused)
+        if unfused_result.feasible and unfused_result.iteration_time < t:
+            t, plan, result = unfused_result.iteration_time, unfused, unfused_result
         if self.config.sfb:
             from tagps.strategy.sfb import apply_sfb
 
