@@ -2,14 +2,23 @@
 
 Usage: python bench/e2e_local.py [--quick] [--out FILE]
 
-For VGG19 at 32x32 inputs (its three 4096-wide fully connected layers kept) and ResNet-101, one job
-``bpslaunch --local 2 --servers 1`` runs ``bench/e2e_worker.py``: batch 8 per worker, one torch thread
-per worker, and one replica per method: tagps ``ps`` (the summation server), tagps ``allreduce``, tagps
-SFB for every ``nn.Linear`` weight on top of each (``allreduce:sfb``, ``ps:sfb``) and torch DDP over gloo.
-The methods take turns step by step, so all of them see the same load on this shared machine, and each
-is scored by its median step time. Horovod over gloo (``examples/train_synthetic.py --horovod`` under
-``horovodrun``, against the same script with ``--ddp``) runs only when ``horovod.torch`` is installed; it
-is never built here.
+For VGG19 at 32x32 inputs (its three 4096-wide fully connected layers kept) and ResNet-101, a job runs
+``bench/e2e_worker.py`` on 2 worker processes: batch 8 per worker, one torch thread per worker, and one
+replica per method: tagps ``ps``, tagps ``allreduce``, tagps SFB for every ``nn.Linear`` weight on top of
+each (``allreduce:sfb``, ``ps:sfb``) and torch DDP over gloo. The methods take turns step by step, so all
+of them see the same load on this shared machine, and each is scored by its median step time.
+
+Two layouts of the same 2 processes, each job with one summation server:
+
+- ``1x2`` (the figures without suffix): one machine with 2 local ranks (``bpslaunch --local 1
+  --local-size 2 --servers 1``), which is how BytePS runs two devices of one machine: ``ps`` sums inside
+  the machine through shared memory, then local rank 0 pushes and pulls that sum through the server.
+- ``2x1`` (suffix ``_2x1``): two machines of one rank each (``bpslaunch --local 2 --servers 1``): ``ps``
+  pushes each process's gradient to the server over loopback.
+
+``allreduce``, SFB's all-gathers and DDP use gloo over loopback TCP in both layouts. Horovod over gloo
+(``examples/train_synthetic.py --horovod`` under ``horovodrun``, against the same script with ``--ddp``)
+runs only when ``horovod.torch`` is installed; it is never built here.
 
 Prints a table and writes JSON (default ``bench/results/e2e_local.json``) with ``machine``, ``commands``,
 the raw ``measurements`` (samples/s of both workers together, and every step time) and the ``figures``:
@@ -17,7 +26,7 @@ the raw ``measurements`` (samples/s of both workers together, and every step tim
 - vgg_ps_vs_ddp: VGG19 samples/s with tagps ps / with DDP.
 - vgg_best_vs_ddp: VGG19, the best tagps method / DDP (target >= 1.2).
 - resnet_best_vs_ddp: ResNet-101, the best tagps method / DDP.
-- vgg_horovod_vs_ddp, resnet_horovod_vs_ddp: only when Horovod is installed.
+- the same three with ``_2x1``; vgg_horovod_vs_ddp and resnet_horovod_vs_ddp when Horovod is installed.
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ TARGETS = {"vgg_best_vs_ddp": 1.2}
 MODELS = {"vgg": "vgg19", "resnet": "resnet101"}
 TAGPS_METHODS = ("allreduce", "ps", "allreduce:sfb", "ps:sfb")
 WORKERS, BATCH = 2, 8
+LAYOUTS = {
+    "1x2": ["--local", "1", "--local-size", "2", "--servers", "1"],
+    "2x1": ["--local", "2", "--local-size", "1", "--servers", "1"],
+}
 
 
 def machine() -> dict[str, object]:
@@ -72,10 +85,12 @@ def run(cmd: list[str], timeout: float) -> None:
         raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{tail}")
 
 
-def interleaved(model: str, warmup: int, steps: int, out: Path) -> tuple[list[str], dict[str, list[float]]]:
+def interleaved(
+    layout: str, model: str, warmup: int, steps: int, out: Path
+) -> tuple[list[str], dict[str, list[float]]]:
     """Run every method of ``model`` in one job; return the command and the step times per method."""
     cmd = [
-        sys.executable, "-m", "tagps.launcher", "--local", str(WORKERS), "--servers", "1", "--",
+        sys.executable, "-m", "tagps.launcher", *LAYOUTS[layout], "--",
         sys.executable, str(WORKER), "--model", model, "--methods", ",".join(("ddp", *TAGPS_METHODS)),
         "--batch-size", str(BATCH), "--warmup", str(warmup), "--steps", str(steps), "--out", str(out),
     ]  # fmt: skip
@@ -109,34 +124,43 @@ def main() -> None:
     warmup, steps = (1, 3) if args.quick else (2, 8)
     info = machine()
     commands = {"bench": shlex.join([Path(sys.executable).name, *sys.argv])}
+    # "<layout>/<model short name>" -> method -> samples/s (and step times)
     samples: dict[str, dict[str, float]] = {}
     step_times: dict[str, dict[str, list[float]]] = {}
     horovod = importlib.util.find_spec("horovod") is not None and shutil.which("horovodrun") is not None
     with tempfile.TemporaryDirectory(prefix="tagps-e2e-") as tmp:
-        for short, model in MODELS.items():
-            out = Path(tmp) / f"{short}.json"
-            cmd, times = interleaved(model, warmup, steps, out)
-            commands[model] = shlex.join(cmd).replace(str(out), "OUT.json")
-            step_times[short] = times
-            samples[short] = {m: WORKERS * BATCH / statistics.median(t) for m, t in times.items()}
-            for m, v in samples[short].items():
-                print(f"{model:10s} {m:14s} {v:8.2f} samples/s", flush=True)
-            if horovod:
-                samples[short].update(
-                    {f"example-{k}": v for k, v in horovod_vs_ddp(model, Path(tmp), commands).items()}
-                )
-    figs = {"vgg_ps_vs_ddp": samples["vgg"]["ps"] / samples["vgg"]["ddp"]}
-    for short in MODELS:
-        figs[f"{short}_best_vs_ddp"] = max(samples[short][m] for m in TAGPS_METHODS) / samples[short]["ddp"]
+        for layout in LAYOUTS:
+            for short, model in MODELS.items():
+                key = f"{layout}/{short}"
+                out = Path(tmp) / f"{layout}-{short}.json"
+                cmd, times = interleaved(layout, model, warmup, steps, out)
+                commands[key] = shlex.join(cmd).replace(str(out), "OUT.json")
+                step_times[key] = times
+                samples[key] = {m: WORKERS * BATCH / statistics.median(t) for m, t in times.items()}
+                for m, v in samples[key].items():
+                    print(f"{layout} {model:10s} {m:14s} {v:8.2f} samples/s", flush=True)
         if horovod:
-            figs[f"{short}_horovod_vs_ddp"] = (
-                samples[short]["example-horovod"] / samples[short]["example-ddp"]
-            )
-    best = {s: max(TAGPS_METHODS, key=lambda m, s=s: samples[s][m]) for s in MODELS}
+            for short, model in MODELS.items():
+                found = horovod_vs_ddp(model, Path(tmp), commands)
+                samples[f"horovod/{short}"] = {f"example-{k}": v for k, v in found.items()}
+    figs: dict[str, float] = {}
+    for layout in LAYOUTS:
+        suffix = "" if layout == "1x2" else f"_{layout}"
+        vgg = samples[f"{layout}/vgg"]
+        figs[f"vgg_ps_vs_ddp{suffix}"] = vgg["ps"] / vgg["ddp"]
+        for short in MODELS:
+            m = samples[f"{layout}/{short}"]
+            figs[f"{short}_best_vs_ddp{suffix}"] = max(m[k] for k in TAGPS_METHODS) / m["ddp"]
+    if horovod:
+        for short in MODELS:
+            h = samples[f"horovod/{short}"]
+            figs[f"{short}_horovod_vs_ddp"] = h["example-horovod"] / h["example-ddp"]
+    best = {k: max(TAGPS_METHODS, key=lambda m, k=k: samples[k][m]) for k in step_times}
     doc = {
         "machine": info,
         "commands": commands,
         "setup": {"workers": WORKERS, "batch_per_worker": BATCH, "image_size": 32, "torch_threads": 1,
+                  "layouts": {k: shlex.join(v) for k, v in LAYOUTS.items()},
                   "warmup_steps": warmup, "timed_steps": steps, "score": "median step time"},
         "measurements": {"samples_per_s": samples, "best_tagps_method": best, "step_s": step_times},
         "figures": figs,
@@ -144,10 +168,10 @@ def main() -> None:
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    methods = list(samples["vgg"])
-    print(f"\n{'samples/s':16s}" + "".join(f"{MODELS[s]:>12s}" for s in MODELS))
-    for m in methods:
-        print(f"{m:16s}" + "".join(f"{samples[s][m]:12.2f}" for s in MODELS))
+    columns = list(step_times)
+    print(f"\n{'samples/s':16s}" + "".join(f"{c:>12s}" for c in columns))
+    for method in ("ddp", *TAGPS_METHODS):
+        print(f"{method:16s}" + "".join(f"{samples[c][method]:12.2f}" for c in columns))
     print()
     for name, value in figs.items():
         target = TARGETS.get(name)

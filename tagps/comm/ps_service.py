@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tagps.comm import collectives
 from tagps.comm.handle import Waitable
 from tagps.comm.local_reduce import LocalReducer
-from tagps.config import CommConfig
+from tagps.config import CommConfig, server_optimizer_config
 
 __all__ = ["PSService"]
 
@@ -64,7 +64,8 @@ class PSService:
         cfg: the job layout and local topology.
 
     Raises:
-        RuntimeError: several machines but no summation server (``DMLC_NUM_SERVER=0``).
+        RuntimeError: several machines but no summation server (``DMLC_NUM_SERVER=0``), or servers that
+            run an optimizer (``TAGPS_SERVER_OPTIMIZER``) and so return weights instead of sums.
     """
 
     def __init__(self, cfg: CommConfig) -> None:
@@ -72,6 +73,12 @@ class PSService:
             raise RuntimeError(
                 f"the ps method needs summation servers to sum across {cfg.num_worker} machines: set "
                 "DMLC_NUM_SERVER > 0 (bpslaunch --servers S) or use allreduce"
+            )
+        server_optimizer = server_optimizer_config().name
+        if server_optimizer != "none":
+            raise RuntimeError(
+                f"the ps sync method needs summing servers, but TAGPS_SERVER_OPTIMIZER={server_optimizer} "
+                "makes them return updated weights; unset it or use allreduce"
             )
         self._cfg = cfg
         self._client: Any = None
