@@ -158,3 +158,11 @@ def test_an_invalid_prior_is_an_error(sim: Simulator) -> None:
 
     with pytest.raises(RuntimeError, match="invalid prior"):
         search(sim, 64, SearchConfig(iterations=2), model=Broken())
+
+
+def test_every_root_action_is_tried_once_before_any_is_refined(sim: Simulator) -> None:
+    actions = candidate_actions(sim)
+    result = search(sim, 64, SearchConfig(iterations=len(actions), sfb=False), keep_samples=True)
+    (root,) = [s for s in result.samples if not s.decided]
+    assert list(root.visits) == [1] * len(actions)
+    assert result.evaluations == len(actions)
