@@ -304,7 +304,6 @@ class _Search:
             base_result = sim.evaluate(base)
             self.baseline = "mp"
         self.baseline_time = base_result.iteration_time
-        self.cache: dict[tuple[int, ...], tuple[Plan | None, SimResult | None]] = {}
 
     # ------------------------------------------------------------------ plans
     def plan(self, decided: Sequence[Action]) -> Plan:
