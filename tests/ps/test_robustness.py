@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -12,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tagps.ps import PSClient
-from tagps.ps.node import JobFailed
-from tagps.ps.protocol import DType, Op, pack_header, unpack_header, worker_node_id
-from tagps.ps.transport import CurveKeys
+from tagps.ps.node import JobFailed, SchedulerLink
+from tagps.ps.protocol import DType, Op, pack_header, pack_json, unpack_header, worker_node_id
+from tagps.ps.transport import CurveKeys, Security
 
 
 def _push_pull_ok(client: PSClient, value: float) -> None:
@@ -141,22 +140,34 @@ def test_worker_with_the_wrong_secret_cannot_register(ps_job) -> None:
     ],
 )
 def test_scheduler_rejects_conflicting_registrations(ps_job, override: dict[str, str], message: str) -> None:
-    with ps_job(num_workers=2, num_servers=1, server_args=[]) as job:
-        outcome: list[BaseException] = []
-
-        def first_worker() -> None:  # registers, then waits for a job that never completes
-            try:
-                PSClient(job.client_config(0))
-            except JobFailed as exc:
-                outcome.append(exc)
-
-        thread = threading.Thread(target=first_worker)
-        thread.start()
-        time.sleep(0.5)
+    with ps_job(num_workers=2, num_servers=1, server_args=[], env={"PS_HEARTBEAT_TIMEOUT": "2"}) as job:
+        # Worker 0 registers by hand; the echo of its heartbeat proves the scheduler has processed it
+        # (an unregistered node's heartbeat gets ERROR), so the conflicting registration comes second.
+        config = job.client_config(0)
+        context = zmq.Context()
+        link = SchedulerLink(context, Security(context, None), config, "worker", "127.0.0.1", 0)
+        document = {
+            "role": "worker",
+            "host": "127.0.0.1",
+            "port": 0,
+            "pid": 1,
+            "worker_id": 0,
+            "rank": None,
+            "num_workers": 2,
+            "num_servers": 1,
+        }
+        link.socket.send_multipart(pack_json(Op.REGISTER, document, sender=0))
+        link.beat()
+        assert link.socket.poll(20_000) and link.receive() == (Op.HEARTBEAT, 0)
         env = {k: v for k, v in override.items() if k != "DMLC_WORKER_ID"}
         with pytest.raises(JobFailed, match=message):
             PSClient(job.client_config(int(override["DMLC_WORKER_ID"]), **env))
         assert job.scheduler is not None
         job.scheduler.kill()  # the waiting worker then fails within PS_HEARTBEAT_TIMEOUT instead of hanging
-        thread.join(timeout=20)
-        assert not thread.is_alive() and outcome and "sent nothing" in str(outcome[0])
+        deadline = time.monotonic() + config.heartbeat_timeout + 5
+        with pytest.raises(JobFailed, match="sent nothing"):
+            while time.monotonic() < deadline:
+                link.beat()
+                time.sleep(0.05)
+        link.close()
+        context.term()
