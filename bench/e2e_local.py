@@ -3,9 +3,9 @@
 Usage: python bench/e2e_local.py [--quick] [--out FILE]
 
 For VGG19 at 32x32 inputs (its three 4096-wide fully connected layers kept) and ResNet-101, a job runs
-``bench/e2e_worker.py`` on 2 worker processes: batch 8 per worker, one torch thread per worker, and one
-replica per method: tagps ``ps``, tagps ``allreduce``, tagps SFB for every ``nn.Linear`` weight on top of
-each (``allreduce:sfb``, ``ps:sfb``) and torch DDP over gloo. The methods take turns step by step, so all
+``bench/e2e_worker.py`` on 2 worker processes: batch 8 per worker, one thread per worker (torch and
+``TAGPS_NUM_THREADS=1``), and one replica per method: tagps ``ps``, tagps ``allreduce``, tagps SFB for
+every ``nn.Linear`` weight on top of each (``allreduce:sfb``, ``ps:sfb``) and torch DDP over gloo. The methods take turns step by step, so all
 of them see the same load on this shared machine, and each is scored by its median step time.
 
 Two layouts of the same 2 processes, each job with one summation server:
@@ -53,6 +53,9 @@ TARGETS = {"vgg_best_vs_ddp": 1.2}
 MODELS = {"vgg": "vgg19", "resnet": "resnet101"}
 TAGPS_METHODS = ("allreduce", "ps", "allreduce:sfb", "ps:sfb")
 WORKERS, BATCH = 2, 8
+# One thread per process for the kernels too (torch gets one through --num-threads/the worker): 2 worker
+# processes share 2 cores, and OpenMP teams of 2 per process would only contend.
+JOB_ENV = {"TAGPS_NUM_THREADS": "1"}
 LAYOUTS = {
     "1x2": ["--local", "1", "--local-size", "2", "--servers", "1"],
     "2x1": ["--local", "2", "--local-size", "1", "--servers", "1"],
@@ -79,7 +82,10 @@ def machine() -> dict[str, object]:
 
 
 def run(cmd: list[str], timeout: float) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    env = {**os.environ, **JOB_ENV}
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
     if proc.returncode != 0:
         tail = f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{tail}")
@@ -160,7 +166,7 @@ def main() -> None:
         "machine": info,
         "commands": commands,
         "setup": {"workers": WORKERS, "batch_per_worker": BATCH, "image_size": 32, "torch_threads": 1,
-                  "layouts": {k: shlex.join(v) for k, v in LAYOUTS.items()},
+                  "layouts": {k: shlex.join(v) for k, v in LAYOUTS.items()}, "job_env": JOB_ENV,
                   "warmup_steps": warmup, "timed_steps": steps, "score": "median step time"},
         "measurements": {"samples_per_s": samples, "best_tagps_method": best, "step_s": step_times},
         "figures": figs,
