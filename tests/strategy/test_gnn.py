@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +113,17 @@ def test_checkpoint_round_trip_and_errors(prior: GNNPrior, tmp_path: Path) -> No
         GNNConfig(hidden=15, heads=2)
 
 
-def test_training_step_fits_a_visit_distribution(prior: GNNPrior) -> None:
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny graphs: more threads only add synchronisation (and crawl on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_training_step_fits_a_visit_distribution() -> None:
     torch.manual_seed(1)
     net = TagGNN(GNNConfig(hidden=16, layers=2, heads=2))
     model = GNNPrior(net)
