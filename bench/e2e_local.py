@@ -12,7 +12,7 @@ Two layouts of the same 2 processes, each job with one summation server:
 
 - ``1x2`` (the figures without suffix): one machine with 2 local ranks (``bpslaunch --local 1
   --local-size 2 --servers 1``), which is how BytePS runs two devices of one machine: ``ps`` sums inside
-  the machine through shared memory, then local rank 0 pushes and pulls that sum through the server.
+  the machine through shared memory; with one machine that sum is already global, so the server idles.
 - ``2x1`` (suffix ``_2x1``): two machines of one rank each (``bpslaunch --local 2 --servers 1``): ``ps``
   pushes each process's gradient to the server over loopback.
 

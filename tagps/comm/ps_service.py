@@ -1,5 +1,8 @@
 """The ``ps`` method: intra-machine reduction, then one push and pull per machine to the summation servers.
 
+With a single worker machine the local sum is the global one, so nothing is pushed (the servers, if any,
+stay idle; the client still registers so that the job's scheduler sees every worker).
+
 On CPU every local rank takes part in the shared-memory reduction (:mod:`tagps.comm.local_reduce`). On
 CUDA the same topology maps to an NCCL reduce inside each PCIe-switch group, a copy of the group leader's
 result to pinned host memory, the shared-memory reduction among the leaders, and the way back (copy to
@@ -87,6 +90,12 @@ class PSService:
             from tagps.ps.client import PSClient
 
             self._client = PSClient.from_env()
+            if self._client.config.enable_async:
+                self._client.close()
+                raise RuntimeError(
+                    "the ps sync method needs synchronous rounds, but BYTEPS_ENABLE_ASYNC=1 makes pushes "
+                    "deltas and pulls the store; unset it or use allreduce"
+                )
         groups = cfg.local_groups()
         self._cuda = collectives.backend_for(cfg) == "nccl"
         if self._cuda:
@@ -102,7 +111,8 @@ class PSService:
             reduce_groups,
             cfg.local_rank,
             cfg.worker_id,
-            cross=self._cross if self._client is not None else None,
+            # One machine's local sum is already the global sum: no push and pull is needed.
+            cross=self._cross if self._client is not None and cfg.num_worker > 1 else None,
             timeout=cfg.dist_timeout_s,
         )
 
