@@ -21,7 +21,9 @@ the least disturbed round is the fairest) and the calibrated simulator's predict
 
 JSON figures (targets in ``TARGETS``): ``vgg_plan_vs_dp_allreduce``, ``transformer_plan_vs_dp_allreduce``
 (samples/s ratio, target >= 1.3 for VGG), ``*_plan_vs_dp_proportional``, ``*_plan_vs_ps``, and
-``sim_abs_rel_error_mean`` / ``sim_abs_rel_error_max`` over every run (targets <= 0.10 / <= 0.20).
+``sim_abs_rel_error_mean`` / ``sim_abs_rel_error_max`` over every run (targets <= 0.10 / <= 0.20), with
+the calibration that ``python -m tagps.calibrate`` writes (fitted on whole jobs too); the same two with the
+calibration before that last fit (link micro-benchmarks only) are reported as ``*_links_only``.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _plans(model: str, executor: Any, cal: Any, search_iterations: int) -> tuple[dict[str, Any], Any]:
-    """The four plans for ``model`` on the executor's measured topology, and the calibrated simulator."""
+def _plans(model: str, executor: Any, cal: Any, search_iterations: int) -> dict[str, Any]:
+    """The four plans for ``model`` on the executor's measured topology."""
     from tagps.cluster.experiment import ddp_plan
     from tagps.strategy.baselines import byteps_like, data_parallel_plan, proportional_shares
     from tagps.strategy.graph import model_graph
@@ -106,7 +108,7 @@ def _plans(model: str, executor: Any, cal: Any, search_iterations: int) -> tuple
         ),
         "PS": dataclasses.replace(byteps_like(measured, BATCH), comm=overlapped),
     }
-    return plans, calibrated
+    return plans
 
 
 def _describe(plan: Any) -> dict[str, Any]:
@@ -161,10 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "e2e_cluster.json")
     args = parser.parse_args(argv)
 
-    from tagps.calibrate import calibrate
+    from tagps.calibrate import calibrate_stages
     from tagps.cluster import ClusterError, check_support
     from tagps.cluster.experiment import Executor, run_plan
     from tagps.cluster.run import up
+    from tagps.strategy.graph import model_graph
+    from tagps.strategy.grouping import group_ops
 
     try:
         check_support()
@@ -175,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started, load_before = time.monotonic(), os.getloadavg()
     commands = [f"{sys.executable} -m tagps.calibrate{' --quick' if args.quick else ''}"]
     print("calibrating the simulator on this host ...", flush=True)
-    cal = calibrate(quick=args.quick, log=lambda line: print("  " + line, flush=True))
+    stages = calibrate_stages(quick=args.quick, log=lambda line: print("  " + line, flush=True))
+    cal = stages["jobs"]  # what `python -m tagps.calibrate` writes; "links" is reported beside it
     skipped: dict[str, str] = {}
     if importlib.util.find_spec("horovod") is None:
         skipped["Horovod"] = "horovod is not installed (horovod.torch does not import)"
@@ -189,9 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         executor = Executor(cluster.topology(), cluster)
         print(executor.topology.describe(), flush=True)
         plans: dict[str, dict[str, Any]] = {}
-        sims: dict[str, Any] = {}
         for key, model in MODELS.items():
-            plans[key], sims[key] = _plans(model, executor, cal, 100 if args.quick else 300)
+            plans[key] = _plans(model, executor, cal, 100 if args.quick else 300)
         best: dict[tuple[str, str], dict[str, Any]] = {}
         for rnd in range(rounds):
             for key, model in MODELS.items():
@@ -220,7 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, model in MODELS.items():
             for name in STRATEGIES:
                 result, plan = best[(key, name)], plans[key][name]
-                predicted = cal.evaluate(sims[key], plan)
+                graph = model_graph(model)
+                grouping = group_ops(graph, GROUPS)
+                predicted, links_predicted = (
+                    c.evaluate(c.simulator(graph, grouping, executor.topology), plan)
+                    for c in (cal, stages["links"])
+                )
                 measured = result["median_step_s"]
                 runs.append(
                     {
@@ -231,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "measured_s": measured,
                         "predicted_s": predicted,
                         "rel_error": predicted / measured - 1,
+                        "predicted_links_only_s": links_predicted,
+                        "rel_error_links_only": links_predicted / measured - 1,
                         "samples_per_s": BATCH / measured,
                         "step_times_s": result["step_times_s"],
                         "loss_first": result["losses"][0],
@@ -251,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = [abs(r["rel_error"]) for r in runs]
     figures["sim_abs_rel_error_mean"] = sum(errors) / len(errors)
     figures["sim_abs_rel_error_max"] = max(errors)
+    # The same with the calibration before its fit on whole jobs (link micro-benchmarks only).
+    links = [abs(r["rel_error_links_only"]) for r in runs]
+    figures["sim_abs_rel_error_mean_links_only"] = sum(links) / len(links)
+    figures["sim_abs_rel_error_max_links_only"] = max(links)
     result = {
         # Other jobs on the machine skew every figure; the 1-minute load average says how busy it was.
         "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
@@ -258,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cluster": BENCH_CLUSTER,
         "topology_measured": topology,
         "calibration": cal.to_dict(),
+        "calibration_links_only": stages["links"].to_dict(),
         "rounds": rounds,
         "steps": steps,
         "batch_size": BATCH,

@@ -43,6 +43,7 @@ __all__ = [
     "CALIBRATION_CLUSTER",
     "CALIBRATION_MODELS",
     "calibrate",
+    "calibrate_stages",
     "default_path",
     "main",
     "measure_core",
@@ -251,6 +252,24 @@ def calibrate(
         use_cluster: measure inter-machine links on an emulated cluster when root allows.
         jobs: also fit the communication constants to whole training jobs (step 3; needs the cluster).
         log: where progress lines go.
+
+    Returns:
+        The calibration after the last stage that ran (see :func:`calibrate_stages`).
+    """
+    return list(calibrate_stages(quick, use_cluster, jobs, log).values())[-1]
+
+
+def calibrate_stages(
+    quick: bool = False,
+    use_cluster: bool = True,
+    jobs: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Calibration]:
+    """Like :func:`calibrate`, but return the calibration after each stage that ran.
+
+    Returns:
+        ``{"links": ...}`` (compute fit plus the all-reduce fit) and, when the job fit ran, ``"jobs"``
+        (the same with the communication constants refitted to whole jobs).
     """
     from tagps.cluster import ClusterError, check_support
 
@@ -274,7 +293,7 @@ def calibrate(
     base = Calibration(core_flops, memory_bandwidth, eff, mem_eff, overhead, 0.0, 0.0, 1.0, 1.0)
     if not use_cluster:
         cal = _comm_fit(base, compute_err, _loopback_allreduces(reps), note, log)
-        return dataclasses.replace(cal, calibration_set=(*names, f"allreduce: {note}"))
+        return {"links": dataclasses.replace(cal, calibration_set=(*names, f"allreduce: {note}"))}
     from tagps.cluster.experiment import Executor
     from tagps.cluster.run import up
 
@@ -288,6 +307,7 @@ def calibrate(
         cal = _comm_fit(base, compute_err, _cluster_allreduces(cluster, topology, reps), note, log)
         fit_error = dict(cal.fit_error)
         names.append(f"allreduce: {note}")
+        stages = {"links": dataclasses.replace(cal, calibration_set=tuple(names))}
         if jobs:
             runs = _job_samples(Executor(topology, cluster), ("mlp-mini", "encoder-mini"), 5 if quick else 10)
             cal, job_err = fit_runs(cal, runs)
@@ -299,8 +319,9 @@ def calibrate(
                 f"{cal.inter_bandwidth_efficiency:.2f}, intra {cal.intra_bandwidth_efficiency:.2f}, "
                 f"mean error {job_err:.1%}"
             )
+            stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
     log(f"calibrated in {time.monotonic() - started:.0f} s")
-    return dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
+    return stages
 
 
 def _comm_fit(
