@@ -4,9 +4,10 @@ Horovod's protocol (hooks that start a gradient's sync during backward, ``synchr
 ``skip_synchronize()``, the ``zero_grad`` guard, ``backward_passes_per_step``, compression), carried out by
 ``Tensor.register_post_accumulate_grad_hook`` and a wrapper object rather than a generated subclass.
 
-Collective methods (``allreduce``, ``sfb``) must be issued in the same order on every worker, so they are
-started in one fixed order (reverse registration, the usual order of backward) as soon as every earlier
-one is ready; ``ps`` gradients are keyed by name and start the moment they are ready.
+Collective methods (``allreduce``, ``sfb``) must be issued in the same order on every worker, so every
+gradient is started in one fixed order (reverse registration, the usual order of backward) as soon as it
+and every earlier one are ready; consecutive gradients of the same method (``allreduce`` or ``ps``) are
+fused into buckets of up to ``TAGPS_FUSION_BYTES``, cut the same way on every worker.
 """
 
 from __future__ import annotations
@@ -94,23 +95,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # PS keys are per optimizer instance: another model's parameter may reuse a name with another shape.
         instance = next(st.optimizers)
         self._keys = {p: f"opt{instance}.{self._names[p]}" for p in self._params}
-        ps_params = [(self._keys[p], p) for p in self._params if self._method[p] == "ps"]
-        if ps_params:
-            # Start the service and register the tensors now, so that a missing server or an unsupported
-            # dtype fails before training and no step pays for the registration.
-            st.ps_service().declare(
-                [
-                    (n, compression.compress(torch.empty(p.numel(), dtype=p.dtype, device=p.device))[0])
-                    for n, p in ps_params
-                ]
-            )
-        index = {p: i for i, p in enumerate(self._params)}
-        self._priority = {p: -index[p] for p in self._params}
         self._units = _units(
-            [p for p in reversed(self._params) if self._method[p] in ("allreduce", "sfb")],
+            [p for p in reversed(self._params) if self._method[p] != "none"],
             self._method,
             st.cfg.fusion_bytes,
         )
+        ps_units = [u for u in self._units if self._method[u[0]] == "ps"]
+        if ps_units:
+            # Start the service and register the (fused) tensors now, so that a missing server or an
+            # unsupported dtype fails before training and no step pays for the registration.
+            st.ps_service().declare(
+                [
+                    (self._unit_key(u), compression.compress(torch.empty(_numel(u), dtype=u[0].dtype))[0])
+                    for u in ps_units
+                ]
+            )
+        index = {p: i for i, p in enumerate(self._params)}
+        self._priority = {p: -index[p] for p in self._params}  # BytePS: first layers first
         self._flat: dict[int, torch.Tensor] = {}
         self._next = 0
         self._ready: set[nn.Parameter] = set()
@@ -173,9 +174,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Finish every gradient's synchronisation; parameters without a gradient contribute zeros."""
         if self._synchronized:
             return
-        for p in self._params:
-            if self._method[p] == "ps" and p not in self._handles:
-                self._handles[p] = self._launch(p)
         for unit in self._units[self._next :]:
             self._ready.update(unit)
         self._drain()
@@ -211,15 +209,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if passes < self._bpps:
             return
         self._synchronized = False
-        method = self._method[p]
-        if method == "ps":
-            self._handles[p] = self._launch(p)
-        elif method != "none":
+        if self._method[p] != "none":
             self._ready.add(p)
             self._drain()
 
+    def _unit_key(self, unit: list[nn.Parameter]) -> str:
+        """The PS key of a launch unit: its first parameter's, with the count of the others."""
+        return self._keys[unit[0]] if len(unit) == 1 else f"{self._keys[unit[0]]}+{len(unit) - 1}"
+
     def _drain(self) -> None:
-        """Start, in the fixed order, every collective unit whose gradients are all ready."""
+        """Start, in the fixed order, every unit whose gradients are all ready."""
         while self._next < len(self._units) and all(p in self._ready for p in self._units[self._next]):
             unit = self._units[self._next]
             handle = self._launch(unit[0]) if len(unit) == 1 else self._launch_fused(self._next, unit)
@@ -228,11 +227,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._next += 1
 
     def _launch_fused(self, index: int, unit: list[nn.Parameter]) -> Handle:
-        """All-reduce the gradients of ``unit`` as one flat buffer (kept between steps)."""
+        """Sum the gradients of ``unit`` as one flat buffer (kept between steps)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in unit]
         flat = self._flat.get(index)
         if flat is None:
-            flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+            flat = torch.empty(_numel(unit), dtype=grads[0].dtype, device=grads[0].device)
             self._flat[index] = flat
         offset = 0
         for g in grads:  # the batch weight is applied on the way in: one pass over the gradients
@@ -240,8 +239,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             offset += g.numel()
         inner = ops.start_sum(
             flat,
-            method="allreduce",
-            name=f"{self._keys[unit[0]]}+{len(unit) - 1}",
+            method=self._method[unit[0]],
+            name=self._unit_key(unit),
+            priority=max(self._priority[p] for p in unit),
             compression=self._compression,
         )
 
@@ -288,21 +288,25 @@ def _remove(hooks: list[Any], sfb: SufficientFactors | None) -> None:
         sfb.close()
 
 
+def _numel(unit: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in unit)
+
+
 def _units(
     order: list[nn.Parameter], method: dict[nn.Parameter, str], fusion_bytes: int
 ) -> list[list[nn.Parameter]]:
-    """Cut the collective order into launch units: runs of all-reduced gradients of one dtype and device
-    fused up to ``fusion_bytes``, and every SFB weight alone. The cut depends only on the model, so it is
-    the same on every worker."""
+    """Cut the launch order into units: runs of gradients with the same method (``allreduce`` or ``ps``),
+    dtype and device fused up to ``fusion_bytes``, and every SFB weight alone. The cut depends only on the
+    model, so it is the same on every worker."""
     units: list[list[nn.Parameter]] = []
     size = 0
     for p in order:
         nbytes = p.numel() * p.element_size()
         last = units[-1] if units else None
         if (
-            method[p] == "allreduce"
+            method[p] in ("allreduce", "ps")
             and last is not None
-            and method[last[0]] == "allreduce"
+            and method[last[0]] == method[p]
             and (last[0].dtype, last[0].device) == (p.dtype, p.device)
             and size + nbytes <= fusion_bytes
         ):

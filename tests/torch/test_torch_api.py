@@ -306,4 +306,13 @@ def test_fusion_units_are_deterministic_runs() -> None:
     index = {id(p): i for i, p in enumerate(ps)}
     cut = [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=64)]
     assert cut == [[0, 1], [2], [3], [4, 5], [6]]
+    method[ps[1]] = "ps"  # a change of method cuts too
+    assert [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=64)] == [
+        [0],
+        [1],
+        [2],
+        [3],
+        [4, 5],
+        [6],
+    ]
     assert [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=0)] == [[i] for i in range(7)]
