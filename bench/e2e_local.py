@@ -5,8 +5,9 @@ Usage: python bench/e2e_local.py [--quick] [--out FILE]
 For VGG19 at 32x32 inputs (its three 4096-wide fully connected layers kept) and ResNet-101, a job runs
 ``bench/e2e_worker.py`` on 2 worker processes: batch 8 per worker, one thread per worker (torch and
 ``TAGPS_NUM_THREADS=1``), and one replica per method: tagps ``ps``, tagps ``allreduce``, tagps SFB for
-every ``nn.Linear`` weight on top of each (``allreduce:sfb``, ``ps:sfb``) and torch DDP over gloo. The methods take turns step by step, so all
-of them see the same load on this shared machine, and each is scored by its median step time.
+every ``nn.Linear`` weight on top of each (``allreduce:sfb``, ``ps:sfb``) and torch DDP over gloo. The
+methods take turns step by step, so all of them see the same load on this shared machine, and each is
+scored by its median step time.
 
 Two layouts of the same 2 processes, each job with one summation server:
 
