@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
 import platform
 import shlex
@@ -40,6 +39,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchlib import machine_info, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_CLUSTER = {
@@ -62,23 +63,7 @@ STRATEGIES = ("tagps plan", "DP all-reduce", "DP proportional", "PS")
 
 
 def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    return machine_info(cpu_key="cpu", kernel=platform.release())
 
 
 def _plans(model: str, executor: Any, cal: Any, search_iterations: int) -> dict[str, Any]:
@@ -285,8 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped": skipped,
         "seconds": time.monotonic() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(_table(runs, figures, skipped))
     for f in exit_failures:
         print(f"note: round {f['round']} {f['model']} {f['strategy']}: a process failed with status "

@@ -36,7 +36,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -45,7 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from benchlib import command_line, machine_info, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "e2e_worker.py"
@@ -64,22 +63,10 @@ LAYOUTS = {
 
 
 def machine() -> dict[str, object]:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu_model": model,
-        "cores": os.cpu_count(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "horovod_installed": importlib.util.find_spec("horovod") is not None,
-    }
+    return machine_info(
+        load_average_at_start=[round(x, 2) for x in os.getloadavg()],
+        horovod_installed=importlib.util.find_spec("horovod") is not None,
+    )
 
 
 def run(cmd: list[str], timeout: float) -> None:
@@ -130,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     warmup, steps = (1, 3) if args.quick else (2, 8)
     info = machine()
-    commands = {"bench": shlex.join([Path(sys.executable).name, *sys.argv])}
+    commands = {"bench": command_line()}
     # "<layout>/<model short name>" -> method -> samples/s (and step times)
     samples: dict[str, dict[str, float]] = {}
     step_times: dict[str, dict[str, list[float]]] = {}
@@ -173,8 +160,7 @@ def main() -> None:
         "figures": figs,
         "targets": TARGETS,
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(args.out, doc, indent=1)
     columns = list(step_times)
     print(f"\n{'samples/s':16s}" + "".join(f"{c:>12s}" for c in columns))
     for method in ("ddp", *TAGPS_METHODS):

@@ -25,10 +25,7 @@ the JSON too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -37,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import command_line, cpu_flags, machine_info, write_json
 
 from tagps import kernels, optim
 
@@ -203,29 +201,17 @@ def bench_optimizers(
 
 
 def machine() -> dict[str, object]:
-    model, flags = platform.processor(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
+    flags = cpu_flags()
     wanted = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16")
-    return {
-        "cpu_model": model,
-        "cores": os.cpu_count(),
-        "flags": [f for f in wanted if f in flags],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "simd_mode": kernels.simd_mode(),
-        "tagps_threads": kernels.num_threads(),
-        "torch_threads": torch.get_num_threads(),
+    return machine_info(
+        flags=[f for f in wanted if f in flags],
+        numpy=np.__version__,
+        simd_mode=kernels.simd_mode(),
+        tagps_threads=kernels.num_threads(),
+        torch_threads=torch.get_num_threads(),
         # Other processes share the cores; a high load makes the multi-threaded figures noisy.
-        "load_average_1min": round(os.getloadavg()[0], 2),
-    }
+        load_average_1min=round(os.getloadavg()[0], 2),
+    )
 
 
 def figures(m: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -258,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     figs = figures(measurements)
     result = {
         "machine": machine(),
-        "commands": {"run": shlex.join([Path(sys.executable).name, *sys.argv])},
+        "commands": {"run": command_line()},
         "quick": args.quick,
         "rounds": rounds,
         "seconds": round(time.perf_counter() - start, 1),
@@ -268,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "met": {k: figs[k] >= v for k, v in TARGETS.items()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
 
     print(f"{'measurement':38s} {'value':>12s}")
     for group, values in measurements.items():

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import machine_info, write_json
 
 from tagps import kernels
 from tagps.cluster import ClusterError, LinkLimit, Network, check_support, up
@@ -264,26 +265,11 @@ class Bench:
 
 
 def _machine() -> dict[str, Any]:
-    import torch
     import zmq
 
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
+    return machine_info(
+        cpu_key="cpu", kernel=platform.release(), pyzmq=zmq.__version__, libzmq=zmq.zmq_version()
     )
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-    }
 
 
 def _table(figures: dict[str, float | None], skipped: dict[str, str]) -> str:
@@ -328,8 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "measurements": bench.measurements,
         "skipped": skipped,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(_table(figures, skipped))
     print(f"wrote {args.out}")
     return 0

@@ -24,16 +24,14 @@ Prints a table and writes JSON (default bench/results/search.json) with ``machin
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+from benchlib import machine_info, write_json
 
 from tagps.models import default_batch_size
 from tagps.strategy.gnn import GNNPrior, load_prior
@@ -57,15 +55,7 @@ TARGETS = {
 
 def machine() -> dict[str, object]:
     """CPU model, core count, Python and torch versions."""
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu_model": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__}
+    return machine_info()
 
 
 def presets(prior: GNNPrior, iterations: int, models: list[str], figures: dict[str, float]) -> list[str]:
@@ -181,14 +171,14 @@ def main() -> int:
         print(f"{name:<36} {value:>10.3f}  target {op} {target:.3g}  {'ok' if ok else 'MISS'}")
         if not ok:
             misses.append(name)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    result = {
         "machine": machine(),
         "commands": [shlex.join([sys.executable, *sys.argv])],
         "figures": figures,
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
         "misses": misses,
-    }, indent=1) + "\n")
+    }
+    write_json(args.out, result, indent=1)
     print(f"written to {args.out}")
     return 0
 

@@ -20,16 +20,12 @@ Prints a table and writes JSON (default bench/results/simulator.json) with a ``m
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
 
-import torch
+from benchlib import command_line, machine_info, write_json
 
 from tagps.models import MODELS, default_batch_size
 from tagps.strategy.baselines import BASELINES, random_plan
@@ -43,20 +39,7 @@ SEARCH_OPTIONS = ("allreduce", "ps", "mp")
 
 
 def machine() -> dict[str, object]:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu_model": model,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    return machine_info()
 
 
 def _rate(sim: Simulator, plans: list[Plan], passes: int) -> tuple[float, float, float]:
@@ -126,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 figures[f"oom_{model}_{name}"] = 1.0
     result = {
         "machine": machine(),
-        "commands": {"run": shlex.join([Path(sys.executable).name, *sys.argv])},
+        "commands": {"run": command_line()},
         "quick": args.quick,
         "plans_per_pass": count,
         "seconds": round(time.perf_counter() - start, 1),
@@ -135,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "met": {k: figures[k] >= v for k, v in TARGETS.items()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
 
     header = ("model", "groups", "setup s", "cold/s", "best/s", "cpu/s", "random/s")
     print(f"{header[0]:6s} " + " ".join(f"{h:>8s}" for h in header[1:]))

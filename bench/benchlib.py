@@ -1,0 +1,55 @@
+"""What the benchmarks in ``bench/`` share: the machine description and the JSON result file.
+
+The benchmarks run as ``python bench/NAME.py``, so this folder is on ``sys.path`` and they import this
+module as ``benchlib``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first ``field`` line of /proc/cpuinfo (None where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_flags() -> list[str]:
+    """The CPU feature flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+    return (_cpuinfo("flags") or "").split()
+
+
+def machine_info(cpu_key: str = "cpu_model", **extra: Any) -> dict[str, Any]:
+    """CPU model (under ``cpu_key``), core count, Python and torch versions, then ``extra`` as given."""
+    import torch
+
+    return {
+        cpu_key: _cpuinfo("model name") or platform.processor(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **extra,
+    }
+
+
+def command_line() -> str:
+    """How this benchmark was started, as a shell command (the interpreter by its file name)."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
+
+
+def write_json(path: Path, payload: dict[str, Any], indent: int = 2) -> None:
+    """Write ``payload`` to ``path`` as JSON with a final newline, making the folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=indent) + "\n")
