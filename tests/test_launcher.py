@@ -7,6 +7,7 @@ it launches; the end-to-end job with the real scheduler and servers is in tests/
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from tagps.config import ConfigError, launcher_config
 from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes
 
 TIMEOUT = 60
+BPSLAUNCH = (sys.executable, "-m", "tagps.launcher")
 
 # argv[1]: directory for pid files; argv[2]: behaviour (ok | fail:N | sleep | ignore-term | partial | env).
 # The worker with DMLC_WORKER_ID=1 and BYTEPS_LOCAL_RANK=0 (or a lone process) is the one that acts when
@@ -88,24 +91,73 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _still_alive(pids: list[int], seconds: float) -> list[int]:
+    """Those of ``pids`` that are still alive after up to ``seconds`` of waiting for all to die."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
 def _assert_all_gone(pids: Path, expected: int) -> None:
     recorded = _recorded(pids)
     assert len(recorded) == 2 * expected, f"expected {expected} children to start, pid files: {recorded}"
     # The launcher has returned, so everything must already be dead; allow only for /proc to catch up.
-    deadline = time.monotonic() + 2
-    while any(_alive(p) for p in recorded) and time.monotonic() < deadline:
+    assert _still_alive(recorded, 2) == []
+
+
+def _wait_recorded(pids: Path, count: int, proc: subprocess.Popen[str]) -> None:
+    """Wait (up to TIMEOUT) until ``count`` pids are recorded or bpslaunch has ended."""
+    deadline = time.monotonic() + TIMEOUT
+    while len(_recorded(pids)) < count and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    assert [p for p in recorded if _alive(p)] == []
+
+
+def _local(
+    local: int, servers: int, *command: str, local_size: int | None = None, grace: int | None = None
+) -> list[str]:
+    """bpslaunch arguments for a local job (``local`` workers, ``servers`` servers) that runs ``command``."""
+    args = ["--local", str(local), "--servers", str(servers)]
+    if local_size is not None:
+        args += ["--local-size", str(local_size)]
+    if grace is not None:
+        args += ["--grace", str(grace)]
+    return [*args, "--", *command]
+
+
+def _child_argv(child: tuple[Path, Path], mode: str) -> list[str]:
+    """The command line of the stand-in child script in ``mode``."""
+    script, pids = child
+    return [sys.executable, str(script), str(pids), mode]
 
 
 def _bpslaunch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tagps.launcher", *args],
+        [*BPSLAUNCH, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
         env=env if env is not None else _clean_env(),
     )
+
+
+@contextlib.contextmanager
+def _bpslaunch_running(
+    *args: str, env: dict[str, str] | None = None, output: bool = True
+) -> Iterator[subprocess.Popen[str]]:
+    """Start bpslaunch with ``args`` (output merged on a pipe, or discarded); kill it on the way out."""
+    proc = subprocess.Popen(
+        [*BPSLAUNCH, *args],
+        stdout=subprocess.PIPE if output else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if output else subprocess.DEVNULL,
+        text=True,
+        env=env if env is not None else _clean_env(),
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -120,20 +172,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_local_sets_the_layout_of_every_worker(child: tuple[Path, Path]) -> None:
-    script, pids = child
-    res = _bpslaunch(
-        "--local",
-        "2",
-        "--servers",
-        "0",
-        "--local-size",
-        "2",
-        "--",
-        sys.executable,
-        str(script),
-        str(pids),
-        "env",
-    )
+    _, pids = child
+    res = _bpslaunch(*_local(2, 0, *_child_argv(child, "env"), local_size=2))
     assert res.returncode == 0, res.stdout + res.stderr
     seen = {}
     for line in res.stdout.splitlines():
@@ -196,20 +236,8 @@ def test_local_job_rejects_bad_arguments(args: tuple, message: str) -> None:
 
 
 def test_success_leaves_nothing_behind(child: tuple[Path, Path]) -> None:
-    script, pids = child
-    res = _bpslaunch(
-        "--local",
-        "2",
-        "--servers",
-        "0",
-        "--local-size",
-        "2",
-        "--",
-        sys.executable,
-        str(script),
-        str(pids),
-        "ok",
-    )
+    _, pids = child
+    res = _bpslaunch(*_local(2, 0, *_child_argv(child, "ok"), local_size=2))
     assert res.returncode == 0, res.stderr
     assert sorted(line.split("]")[0] for line in res.stdout.splitlines()) == [
         "[worker 0.0",
@@ -221,23 +249,9 @@ def test_success_leaves_nothing_behind(child: tuple[Path, Path]) -> None:
 
 
 def test_failing_worker_stops_the_job_with_its_status(child: tuple[Path, Path]) -> None:
-    script, pids = child
+    _, pids = child
     start = time.monotonic()
-    res = _bpslaunch(
-        "--local",
-        "2",
-        "--servers",
-        "0",
-        "--local-size",
-        "2",
-        "--grace",
-        "2",
-        "--",
-        sys.executable,
-        str(script),
-        str(pids),
-        "one-fail:7",
-    )
+    res = _bpslaunch(*_local(2, 0, *_child_argv(child, "one-fail:7"), local_size=2, grace=2))
     assert res.returncode == 7, res.stdout + res.stderr
     assert "worker 1.0 exited with status 7; stopping the job" in res.stdout
     assert time.monotonic() - start < 20  # the sleepers (120 s) were stopped, not waited for
@@ -245,96 +259,40 @@ def test_failing_worker_stops_the_job_with_its_status(child: tuple[Path, Path]) 
 
 
 def test_worker_killed_by_a_signal_gives_128_plus_signal(child: tuple[Path, Path]) -> None:
-    script, pids = child
-    res = _bpslaunch(
-        "--local", "2", "--servers", "0", "--", sys.executable, str(script), str(pids), "one-kill-self"
-    )
+    _, pids = child
+    res = _bpslaunch(*_local(2, 0, *_child_argv(child, "one-kill-self")))
     assert res.returncode == 128 + signal.SIGKILL, res.stdout + res.stderr
     _assert_all_gone(pids, 2)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_bpslaunch_tears_everything_down(child: tuple[Path, Path], sig: signal.Signals) -> None:
-    script, pids = child
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tagps.launcher",
-            "--local",
-            "2",
-            "--servers",
-            "0",
-            "--local-size",
-            "2",
-            "--grace",
-            "2",
-            "--",
-            sys.executable,
-            str(script),
-            str(pids),
-            "sleep",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_clean_env(),
-    )
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while len(_recorded(pids)) < 8 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
+    _, pids = child
+    with _bpslaunch_running(*_local(2, 0, *_child_argv(child, "sleep"), local_size=2, grace=2)) as proc:
+        _wait_recorded(pids, 8, proc)
         assert len(_recorded(pids)) == 8
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + sig, out
     assert f"received {sig.name}" in out
     _assert_all_gone(pids, 4)
 
 
 def test_sigkill_of_bpslaunch_still_kills_the_workers(child: tuple[Path, Path]) -> None:
-    script, pids = child
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tagps.launcher",
-            "--local",
-            "1",
-            "--servers",
-            "0",
-            "--local-size",
-            "2",
-            "--",
-            sys.executable,
-            str(script),
-            str(pids),
-            "sleep",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=_clean_env(),
-    )
-    deadline = time.monotonic() + TIMEOUT
-    while len(_recorded(pids)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait(timeout=TIMEOUT)
+    _, pids = child
+    with _bpslaunch_running(*_local(1, 0, *_child_argv(child, "sleep"), local_size=2), output=False) as proc:
+        _wait_recorded(pids, 4, proc)
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
     workers = [json.loads(f.read_text())["pid"] for f in pids.glob("*.pid")]
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [p for p in workers if _alive(p)] == []  # PR_SET_PDEATHSIG: the direct children die with it
+    assert _still_alive(workers, 5) == []  # PR_SET_PDEATHSIG: the direct children die with it
     for rec in map(json.loads, (f.read_text() for f in pids.glob("*.pid"))):
         if _alive(rec["grandchild"]):  # out of bpslaunch's reach once it is SIGKILLed; clean up
             os.kill(rec["grandchild"], signal.SIGKILL)
 
 
 def _spec(label: str, script: Path, pids: Path, mode: str, service: bool = False) -> ProcessSpec:
-    return ProcessSpec(label, (sys.executable, str(script), str(pids), mode), _clean_env(), service=service)
+    return ProcessSpec(label, tuple(_child_argv((script, pids), mode)), _clean_env(), service=service)
 
 
 def test_services_are_stopped_after_the_workers_succeed(child: tuple[Path, Path]) -> None:
@@ -379,44 +337,16 @@ def test_a_service_failing_while_the_others_are_stopped_still_counts(child: tupl
 
 
 def test_second_sigint_skips_the_grace_period(child: tuple[Path, Path]) -> None:
-    script, pids = child
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tagps.launcher",
-            "--local",
-            "1",
-            "--servers",
-            "0",
-            "--local-size",
-            "2",
-            "--grace",
-            "60",
-            "--",
-            sys.executable,
-            str(script),
-            str(pids),
-            "ignore-term",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_clean_env(),
-    )
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while len(_recorded(pids)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+    _, pids = child
+    argv = _local(1, 0, *_child_argv(child, "ignore-term"), local_size=2, grace=60)
+    with _bpslaunch_running(*argv) as proc:
+        _wait_recorded(pids, 4, proc)
         time.sleep(0.2)  # let the children install their SIGTERM handler
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + signal.SIGINT, out
     assert time.monotonic() - start < 20  # not the 60 s grace
     _assert_all_gone(pids, 2)
@@ -575,19 +505,8 @@ def test_local_job_with_real_scheduler_and_servers(tmp_path: Path, mode: str, st
     script = tmp_path / "ps_worker.py"
     script.write_text(PS_WORKER)
     mark = f"tagps-test-{os.getpid()}-{mode}"
-    res = _bpslaunch(
-        "--local",
-        "2",
-        "--servers",
-        "2",
-        "--grace",
-        "2",
-        "--",
-        sys.executable,
-        str(script),
-        mode,
-        env=_clean_env(TAGPS_TEST_MARK=mark),
-    )
+    argv = _local(2, 2, sys.executable, str(script), mode, grace=2)
+    res = _bpslaunch(*argv, env=_clean_env(TAGPS_TEST_MARK=mark))
     assert res.returncode == status, res.stdout + res.stderr
     if status == 0:
         assert sorted(line for line in res.stdout.splitlines() if "sum ok" in line) == [
@@ -615,27 +534,8 @@ def test_sigint_to_a_real_job_leaves_nothing_behind(tmp_path: Path) -> None:
     script = tmp_path / "hanging_worker.py"
     script.write_text(HANGING_PS_WORKER)
     mark = f"tagps-test-{os.getpid()}-sigint"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tagps.launcher",
-            "--local",
-            "2",
-            "--servers",
-            "2",
-            "--grace",
-            "2",
-            "--",
-            sys.executable,
-            str(script),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_clean_env(TAGPS_TEST_MARK=mark),
-    )
-    try:
+    argv = _local(2, 2, sys.executable, str(script), grace=2)
+    with _bpslaunch_running(*argv, env=_clean_env(TAGPS_TEST_MARK=mark)) as proc:
         assert proc.stdout is not None
         seen = []
         while len(seen) < 2:  # both workers registered, passed a barrier, and now sleep inside the job
@@ -646,9 +546,6 @@ def test_sigint_to_a_real_job_leaves_nothing_behind(tmp_path: Path) -> None:
         assert len(_processes_with(f"TAGPS_TEST_MARK={mark}")) == 6  # bpslaunch, scheduler, 2+2
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + signal.SIGINT, out
     assert _processes_with(f"TAGPS_TEST_MARK={mark}") == []
 
