@@ -318,6 +318,9 @@ class PSConfig:
         heartbeat_interval: ``PS_HEARTBEAT_INTERVAL``, seconds between heartbeats (default 1).
         heartbeat_timeout: ``PS_HEARTBEAT_TIMEOUT``, seconds of silence after which a node counts as dead
             (default 10).
+        register_timeout: ``PS_REGISTER_TIMEOUT``, seconds a node waits for the scheduler to answer and the
+            scheduler waits for the whole job to register before each fails naming what is missing
+            (default 120).
         secret: ``TAGPS_PS_SECRET``, shared secret from which the CURVE keys are derived (``None``: no
             encryption or authentication).
     """
@@ -344,6 +347,7 @@ class PSConfig:
     trace_end_step: int = 20
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    register_timeout: float = 120.0
     secret: str | None = field(default=None, repr=False)
 
 
@@ -406,6 +410,7 @@ def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> P
         trace_end_step=trace_end,
         heartbeat_interval=interval,
         heartbeat_timeout=timeout,
+        register_timeout=_read(env, "PS_REGISTER_TIMEOUT", _float(0.0, strict=True), 120.0),
         secret=_read(env, "TAGPS_PS_SECRET", str, None),
     )
 

@@ -98,23 +98,49 @@ class SchedulerLink:
     def register(self) -> AddressBook:
         """Register and block until the scheduler sends the address book.
 
+        Waits at most ``PS_REGISTER_TIMEOUT`` seconds for the scheduler's first answer (it may start after
+        this node). Once it answered, the scheduler bounds the wait: it sends NODE_FAILED naming the missing
+        nodes when the job is not complete within ``PS_REGISTER_TIMEOUT`` of its start.
+
         Raises:
-            JobFailed: the scheduler rejected the registration, went silent or reported a failed node.
+            JobFailed: the scheduler did not answer, rejected the registration, gave up waiting for the
+                rest of the job, went silent or reported a failed node.
         """
+        where = f"{self.config.root_uri}:{self.config.root_port}"
+        limit = self.config.register_timeout
         try:
             self.socket.send_multipart(pack_json(Op.REGISTER, self._registration, sender=0))
         except zmq.Again:
             raise JobFailed(
-                f"cannot reach the scheduler at {self.config.root_uri}:{self.config.root_port} within "
+                f"cannot reach the scheduler at {where} within "
                 f"PS_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g} s (wrong address, or "
                 "TAGPS_PS_SECRET differs)"
             ) from None
-        self._last_heard = time.monotonic()
+        start = time.monotonic()
+        answered: float | None = None  # when the scheduler first answered
         while True:
-            self.beat()
+            now = time.monotonic()
+            if answered is None:
+                if now - start > limit:
+                    raise JobFailed(
+                        f"the scheduler at {where} did not answer within {limit:g} s (PS_REGISTER_TIMEOUT): "
+                        "it is not running, not reachable there, or TAGPS_PS_SECRET differs"
+                    )
+                self._send_beat(now)
+            else:
+                # The scheduler's own deadline comes first; this one only bounds a scheduler that is alive
+                # but never answers the registration.
+                if now - answered > limit + self.config.heartbeat_timeout:
+                    raise JobFailed(
+                        f"the scheduler at {where} sent no address book within {limit:g} s "
+                        "(PS_REGISTER_TIMEOUT) of answering"
+                    )
+                self.beat()
             if not self.socket.poll(int(self.config.heartbeat_interval * 1000)):
                 continue
             op, document = self.receive()
+            if answered is None:
+                answered = time.monotonic()
             if op == Op.ADDRESS_BOOK:
                 return self._address_book(document)
 
@@ -126,11 +152,14 @@ class SchedulerLink:
                 f"the scheduler at {self.config.root_uri}:{self.config.root_port} sent nothing for "
                 f"{self.config.heartbeat_timeout:g} s (PS_HEARTBEAT_TIMEOUT); it is gone or unreachable"
             )
+        self._send_beat(now)
+
+    def _send_beat(self, now: float) -> None:
         if now - self._last_beat >= self.config.heartbeat_interval:
             try:
                 self.socket.send(pack_header(Op.HEARTBEAT, sender=self.node_id), zmq.NOBLOCK)
             except zmq.Again:
-                pass  # not connected (yet): the silence check above decides when to give up
+                pass  # not connected (yet): the caller's deadline decides when to give up
             self._last_beat = now
 
     def receive(self) -> tuple[Op, dict[str, Any] | int]:
@@ -147,6 +176,8 @@ class SchedulerLink:
             header = unpack_header(frames[0])
             if header.op == Op.NODE_FAILED:
                 doc = unpack_json(header, frames)
+                if doc.get("node") is None:  # the job never completed its registration
+                    raise JobFailed(f"the scheduler gave up: {doc.get('reason')}; the job is stopping")
                 raise JobFailed(f"{doc.get('node')} failed ({doc.get('reason')}); the job is stopping")
             if header.op == Op.ERROR:
                 reason = bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else "?"

@@ -4,6 +4,8 @@ Every server and worker machine registers with the scheduler, which answers once
 present with an address book (server addresses by rank, and the node's own id). Afterwards the scheduler
 answers barriers, echoes heartbeats and watches them: a node silent for ``PS_HEARTBEAT_TIMEOUT`` seconds
 makes the scheduler send :attr:`Op.NODE_FAILED` naming it to every other node and exit with status 1.
+A job that is not complete ``PS_REGISTER_TIMEOUT`` seconds after the scheduler started fails the same way,
+the notice naming the roles still missing.
 When every worker has sent :attr:`Op.FINALIZE`, it sends :attr:`Op.SHUTDOWN` to all and exits with 0.
 """
 
@@ -82,10 +84,14 @@ class Scheduler:
         self._barrier_rounds: dict[str, int] = dict.fromkeys(_GROUPS, 0)
 
     def run(self) -> int:
-        """Serve until every worker finalized (returns 0) or a node failed (returns 1)."""
+        """Serve until every worker finalized (returns 0), a node failed or the job did not assemble within
+        ``PS_REGISTER_TIMEOUT`` (returns 1)."""
         poll_ms = max(10, int(self.config.heartbeat_interval * 500))
+        register_deadline = time.monotonic() + self.config.register_timeout
         try:
             while True:
+                if not self._ready and time.monotonic() > register_deadline:
+                    return self._fail_registration()
                 if self._socket.poll(poll_ms):
                     identity, *frames = self._socket.recv_multipart()
                     status = self._handle(identity, frames)
@@ -239,6 +245,32 @@ class Scheduler:
             if other is not node:
                 self._send(other.identity, pack_json(Op.NODE_FAILED, document, sender=SCHEDULER_NODE_ID))
         return 1
+
+    def _fail_registration(self) -> int:
+        counts, missing = self._missing()
+        reason = (
+            f"only {' and '.join(counts)} registered within {self.config.register_timeout:g} s "
+            f"(PS_REGISTER_TIMEOUT); missing: {', '.join(missing)}"
+        )
+        log.error("registration timed out: %s; stopping the job", reason)
+        document = {"node": None, "reason": reason}
+        for node in self._nodes.values():
+            self._send(node.identity, pack_json(Op.NODE_FAILED, document, sender=SCHEDULER_NODE_ID))
+        return 1
+
+    def _missing(self) -> tuple[list[str], list[str]]:
+        """Return the count of each incomplete role (``1 of 2 servers``) and who is missing (``worker 1``)."""
+        workers = {n.worker_id for n in self._nodes.values() if n.role == "worker"}
+        servers = sum(n.role == "server" for n in self._nodes.values())
+        counts, missing = [], []
+        if len(workers) < self.config.num_workers:
+            counts.append(f"{len(workers)} of {self.config.num_workers} workers")
+            missing += [f"worker {w}" for w in range(self.config.num_workers) if w not in workers]
+        if servers < self.config.num_servers:
+            absent = self.config.num_servers - servers
+            counts.append(f"{servers} of {self.config.num_servers} servers")
+            missing.append(f"{absent} server{'s' if absent > 1 else ''}")
+        return counts, missing
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         self._socket.send_multipart([identity, *frames])

@@ -126,8 +126,8 @@ def test_curve_rejects_peers_without_the_secret(ps_job) -> None:
 @pytest.mark.timeout(60)
 def test_worker_with_the_wrong_secret_cannot_register(ps_job) -> None:
     with ps_job(num_workers=1, num_servers=1, env={"TAGPS_PS_SECRET": "s3cret"}) as job:
-        config = job.client_config(0, TAGPS_PS_SECRET="guess", PS_HEARTBEAT_TIMEOUT="1.5")
-        with pytest.raises(JobFailed, match=r"scheduler .* sent nothing"):
+        config = job.client_config(0, TAGPS_PS_SECRET="guess", PS_REGISTER_TIMEOUT="1.5")
+        with pytest.raises(JobFailed, match=r"scheduler .* did not answer within 1\.5 s .*TAGPS_PS_SECRET"):
             PSClient(config)
 
 
