@@ -3,26 +3,7 @@
 See :mod:`tagps.cluster.netns` and ``docs/launcher.md``. Needs root; :func:`check_support` says why not.
 """
 
-from tagps.cluster.netns import (
-    NETWORK,
-    PREFIX,
-    ClusterError,
-    LinkLimit,
-    Network,
-    Node,
-    check_support,
-    down_all,
-    up,
-)
+from tagps.cluster import netns
+from tagps.cluster.netns import *  # noqa: F403  # re-exports exactly netns.__all__
 
-__all__ = [
-    "NETWORK",
-    "PREFIX",
-    "ClusterError",
-    "LinkLimit",
-    "Network",
-    "Node",
-    "check_support",
-    "down_all",
-    "up",
-]
+__all__ = netns.__all__
