@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,15 +41,9 @@ def root_cluster() -> None:
         pytest.skip(f"needs root, network namespaces and a CPU cgroup controller: {exc}")
 
 
-def _leftovers(index: int, name: str) -> list[str]:
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    found = [line.split()[0] for line in ns.splitlines() if line.startswith(f"tagps-{index}-")]
-    found += [
-        line.split(": ")[1].split("@")[0]
-        for line in links.splitlines()
-        if line.split(": ")[1].startswith((f"tagps-{index}b", f"tagps-{index}v"))
-    ]
+def _leftovers(names: Callable[[int], list[str]], index: int, name: str) -> list[str]:
+    """What cluster ``name`` on network ``index`` left: namespaces and links (``names``), cgroups, record."""
+    found = names(index)
     root, _ = cg.cgroup_root()
     found += [str(p) for p in root.glob(f"tagps-{index}-*")]
     if (STATE_DIR / f"cluster-{name}.json").exists():
@@ -159,7 +154,9 @@ def test_cgroup_names_are_the_projects_own() -> None:
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("root_cluster")
-def test_two_namespace_cluster_trains_end_to_end_and_down_leaves_nothing(tmp_path: Path) -> None:
+def test_two_namespace_cluster_trains_end_to_end_and_down_leaves_nothing(
+    tmp_path: Path, netns_names: Callable[[int], list[str]]
+) -> None:
     from tagps.cluster.experiment import Executor, run_plan
     from tagps.strategy.baselines import byteps_like
     from tagps.strategy.simulator import Simulator
@@ -212,11 +209,11 @@ def test_two_namespace_cluster_trains_end_to_end_and_down_leaves_nothing(tmp_pat
         os.kill(runner.pid, signal.SIGKILL)
         runner.wait()
     index = crashed.network.index
-    assert _leftovers(index, "t-job")  # the crash left the cluster behind
+    assert _leftovers(netns_names, index, "t-job")  # the crash left the cluster behind
     from tagps.cli import main
 
     assert main(["cluster", "down", str(spec_path)]) == 0
-    assert _leftovers(index, "t-job") == []
+    assert _leftovers(netns_names, index, "t-job") == []
     assert main(["cluster", "down", str(spec_path)]) == 0  # idempotent
 
 

@@ -10,11 +10,14 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 
 from tagps.cluster import NETWORK, ClusterError, LinkLimit, Network, check_support, down_all, up
 from tagps.cluster import netns as netns_module
+
+NamesOf = Callable[[int], list[str]]
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +82,6 @@ PING = textwrap.dedent(
 )
 
 
-def _names(index: int) -> list[str]:
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    found = [line.split()[0] for line in ns.splitlines() if line.startswith(f"tagps-{index}-")]
-    found += [
-        line.split(": ")[1].split("@")[0]
-        for line in links.splitlines()
-        if line.split(": ")[1].startswith((f"tagps-{index}b", f"tagps-{index}v"))
-    ]
-    return found
-
-
 def _serve(net: Network, node: str, script: str, *args: str) -> subprocess.Popen:
     proc = net.popen(node, [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -101,11 +92,11 @@ def _serve(net: Network, node: str, script: str, *args: str) -> subprocess.Popen
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("netns")
 @pytest.mark.parametrize("rate_mbit", [80.0])
-def test_rate_limit_holds_and_teardown_is_complete(rate_mbit: float) -> None:
+def test_rate_limit_holds_and_teardown_is_complete(rate_mbit: float, netns_names: NamesOf) -> None:
     with up(["a", "b"], LinkLimit(rate_mbit=rate_mbit)) as net:
         index = net.index
         assert all(ipaddress.ip_address(net.address(n)) in NETWORK for n in ("a", "b"))
-        assert sorted(_names(index)) == sorted(
+        assert sorted(netns_names(index)) == sorted(
             [
                 f"tagps-{index}-a",
                 f"tagps-{index}-b",
@@ -129,7 +120,7 @@ def test_rate_limit_holds_and_teardown_is_complete(rate_mbit: float) -> None:
         assert abs(measured - rate_mbit) <= 0.2 * rate_mbit, (
             f"{measured:.1f} Mbit/s through a {rate_mbit} limit"
         )
-    assert _names(index) == []
+    assert netns_names(index) == []
 
 
 @pytest.mark.netns
@@ -160,7 +151,7 @@ def test_delay_adds_to_the_round_trip() -> None:
 
 @pytest.mark.netns
 @pytest.mark.usefixtures("netns")
-def test_down_all_cleans_up_after_a_crash() -> None:
+def test_down_all_cleans_up_after_a_crash(netns_names: NamesOf) -> None:
     # A process builds a network, starts a process inside it, and is SIGKILLed: nothing ran down().
     crasher = subprocess.Popen(
         [
@@ -187,22 +178,23 @@ def test_down_all_cleans_up_after_a_crash() -> None:
         crasher.kill()
         crasher.wait(timeout=30)
         crasher.stdout.close()  # type: ignore[union-attr]  # `sleep` inside the network still holds it
-    assert len(_names(index)) == 5
+    assert len(netns_names(index)) == 5
     removed = down_all(index)
     assert {f"tagps-{index}-x", f"tagps-{index}-y", f"tagps-{index}b"} <= set(removed)
-    assert _names(index) == []
+    assert netns_names(index) == []
     assert down_all(index) == []  # idempotent
 
 
 @pytest.mark.netns
 @pytest.mark.usefixtures("netns")
-def test_two_networks_get_distinct_numbers_and_subnets() -> None:
+def test_two_networks_get_distinct_numbers_and_subnets(netns_names: NamesOf) -> None:
     with up(["a"]) as first, up(["a"]) as second:
         assert first.index != second.index
         assert first.address("a") != second.address("a")
         assert first.node("a").netns != second.node("a").netns
         first.down()
-        assert _names(first.index) == [] and len(_names(second.index)) == 3  # only its own names went
+        # only its own names went
+        assert netns_names(first.index) == [] and len(netns_names(second.index)) == 3
         first.down()  # idempotent; leaving the block calls it a third time
 
 
