@@ -165,3 +165,22 @@ def test_window_sends_lower_priority_values_first(ps_job) -> None:
         finally:
             client.close()
             server.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("elements", [1, 7, 1023, 1024, 1025, 4097])
+def test_chunks_are_the_fewest_of_equal_size_within_the_partition(ps_job, elements: int) -> None:
+    partition = 4096  # bytes: 1024 float32 elements
+    with ps_job(num_workers=1, num_servers=2, env={"BYTEPS_PARTITION_BYTES": str(partition)}) as job:
+        with PSClient(job.client_config(0)) as client:
+            client.declare("t", 4 * elements, np.float32)
+            client.barrier()
+            chunks = client._tensors["t"].chunks
+            sizes = [c.stop - c.start for c in chunks]
+            assert len(chunks) == -(-elements // 1024)
+            assert max(sizes) - min(sizes) <= 1 and 4 * max(sizes) <= partition
+            assert [c.start for c in chunks] == [0, *(c.stop for c in chunks[:-1])]
+            assert chunks[-1].stop == elements
+            buf = np.arange(elements, dtype=np.float32)
+            client.wait(client.push_pull("t", buf, average=False), timeout=20)
+            np.testing.assert_array_equal(buf, np.arange(elements, dtype=np.float32))
