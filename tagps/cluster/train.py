@@ -7,7 +7,8 @@ Start one copy per device of the plan (``bpslaunch --local`` or :meth:`tagps.clu
 Rank ``r`` is the plan's ``r``-th device and trains on its batch share. ``--runtime tagps`` (default)
 synchronises every gradient as the plan says through ``tagps.torch.DistributedOptimizer``; ``--runtime ddp``
 runs ``torch.nn.parallel.DistributedDataParallel`` over gloo (the all-reduce baseline; even shares only).
-Inputs and targets are a fixed synthetic set per rank, so the loss falls as the model memorises it. Rank 0
+Inputs and targets are one fixed synthetic global batch cut by the plan's shares (the same samples for every
+strategy), so the loss falls as the model memorises it and the losses of different plans compare. Rank 0
 writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", ...}`` to ``--out``; the timed steps
 follow ``--warmup`` untimed ones, and each timed step ends when rank 0's optimizer step returns (training is
 synchronous, so that is the iteration time).
@@ -62,11 +63,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     local_batch = plan.batch_shares[devices[rank]]
     torch.manual_seed(0)
     model = build_model(args.model)
-    torch.manual_seed(1000 + rank)
-    inputs = example_inputs(args.model, local_batch)
+    # One global synthetic batch, cut by the plan's shares: every strategy trains on the same samples,
+    # so the losses of different plans (and of DDP) are comparable step by step.
+    torch.manual_seed(1000)
+    global_inputs = example_inputs(args.model, plan.batch_size)
     with torch.no_grad():
-        out = model(*inputs)
-    targets = torch.randint(0, out.shape[-1], out.shape[:-1])
+        out = model(*global_inputs)
+    global_targets = torch.randint(0, out.shape[-1], out.shape[:-1])
+    start = sum(plan.batch_shares[d] for d in devices[:rank])
+    inputs = tuple(x[start : start + local_batch] for x in global_inputs)
+    targets = global_targets[start : start + local_batch]
     if plan.optimizer == "adam":
         optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:

@@ -57,3 +57,16 @@ def test_a_ps_plan_trains_as_local_processes() -> None:
     assert result["devices"] == ["local:0", "local:1"] and result["batch_size"] == 8
     assert len(result["step_times_s"]) == 2 and len(result["losses"]) == 3
     assert result["samples_per_s"] == pytest.approx(8 / result["mean_step_s"])
+
+
+@pytest.mark.timeout(240)
+def test_plans_train_on_the_same_global_batch() -> None:
+    # The demo compares the losses of a plan and of DDP step by step: both must see the same samples,
+    # whatever the batch shares, so uneven tagps shares and even DDP shares give the same losses.
+    local = Topology("local", (DeviceGroup("local", "CPU", 2, 10.0),), 10.0)
+    even = dp_nccl(Simulator.for_model("mlp-mini", local, groups=2), 8, "sgd")
+    uneven = dataclasses.replace(even, batch_shares={"local:0": 5, "local:1": 3}).validate()
+    ddp = run_plan(Executor(local), "mlp-mini", even, runtime="ddp", steps=2, warmup=1)
+    tagps = run_plan(Executor(local), "mlp-mini", uneven, steps=2, warmup=1)
+    assert tagps["losses"][-1] < tagps["losses"][0]
+    assert tagps["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
