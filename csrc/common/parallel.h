@@ -41,4 +41,16 @@ void parallel_for(size_t n, size_t min_parallel, const Fn& fn) {
   }
 }
 
+// parallel_for over one elementwise kernel with two implementations: every chunk runs avx2(begin, end)
+// when the AVX2 path is active (tagps.kernels.set_simd_mode), else scalar(begin, end). The choice is made
+// once per call, so a call never mixes the paths. Pass generic lambdas (auto begin, auto end): a build
+// without the *_avx2.cc files (non-x86) then never instantiates the avx2 one.
+template <typename Avx2Fn, typename ScalarFn>
+void simd_parallel_for(size_t n, size_t min_parallel, const Avx2Fn& avx2, const ScalarFn& scalar) {
+#if defined(TAGPS_HAVE_AVX2_BUILD)
+  if (active_simd() == Simd::kAvx2) return parallel_for(n, min_parallel, avx2);
+#endif
+  parallel_for(n, min_parallel, scalar);
+}
+
 }  // namespace tagps

@@ -50,13 +50,9 @@ void adam_step_impl(const AdamOptions<T>& o) {
   TAGPS_ENFORCE(o.param && o.grad && o.exp_avg && o.exp_avg_sq, "adam_step: null buffer");
   TAGPS_ENFORCE(!o.amsgrad || o.max_exp_avg_sq, "adam_step: amsgrad needs max_exp_avg_sq");
   const detail::AdamCoeffs<T> c = detail::adam_coeffs(o);
-  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
-  parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
-#if defined(TAGPS_HAVE_AVX2_BUILD)
-    if (avx2) return detail::adam_avx2(o, c, begin, end);
-#endif
-    detail::adam_apply<detail::ScalarOps<T>>(o, c, begin, end);
-  });
+  simd_parallel_for(
+      o.count, kMinParallel, [&](auto begin, auto end) { detail::adam_avx2(o, c, begin, end); },
+      [&](auto begin, auto end) { detail::adam_apply<detail::ScalarOps<T>>(o, c, begin, end); });
 }
 
 }  // namespace

@@ -12,18 +12,15 @@ constexpr size_t kMinParallel = size_t{1} << 16;
 }  // namespace
 
 void cast(const CastOptions& o) {
-  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
   detail::visit_cast(o.dst_dtype, o.src_dtype, [&](auto to_tag, auto from_tag) {
     constexpr DType To = decltype(to_tag)::value;
     constexpr DType From = decltype(from_tag)::value;
     if (o.count == 0) return;
     TAGPS_ENFORCE(o.dst != nullptr && o.src != nullptr, "cast: null buffer");
-    parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
-#if defined(TAGPS_HAVE_AVX2_BUILD)
-      if (avx2) return detail::cast_avx2(To, From, o.dst, o.src, begin, end);
-#endif
-      detail::cast_ref<To, From>(o.dst, o.src, begin, end);
-    });
+    simd_parallel_for(
+        o.count, kMinParallel,
+        [&](auto begin, auto end) { detail::cast_avx2(To, From, o.dst, o.src, begin, end); },
+        [&](auto begin, auto end) { detail::cast_ref<To, From>(o.dst, o.src, begin, end); });
   });
 }
 

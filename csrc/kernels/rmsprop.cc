@@ -45,13 +45,9 @@ void rmsprop_step_impl(const RmspropOptions<T>& o) {
   TAGPS_ENFORCE(!(o.momentum > 0.0) || o.momentum_buffer, "rmsprop_step: momentum > 0 needs momentum_buffer");
   TAGPS_ENFORCE(!o.centered || o.grad_avg, "rmsprop_step: centered needs grad_avg");
   const detail::RmspropCoeffs<T> c = detail::rmsprop_coeffs(o);
-  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
-  parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
-#if defined(TAGPS_HAVE_AVX2_BUILD)
-    if (avx2) return detail::rmsprop_avx2(o, c, begin, end);
-#endif
-    detail::rmsprop_apply<detail::ScalarOps<T>>(o, c, begin, end);
-  });
+  simd_parallel_for(
+      o.count, kMinParallel, [&](auto begin, auto end) { detail::rmsprop_avx2(o, c, begin, end); },
+      [&](auto begin, auto end) { detail::rmsprop_apply<detail::ScalarOps<T>>(o, c, begin, end); });
 }
 
 }  // namespace

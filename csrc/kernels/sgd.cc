@@ -39,13 +39,9 @@ void sgd_step_impl(const SgdOptions<T>& o) {
   TAGPS_ENFORCE(o.param && o.grad, "sgd_step: null buffer");
   TAGPS_ENFORCE(o.momentum == 0.0 || o.momentum_buffer, "sgd_step: momentum != 0 needs momentum_buffer");
   const detail::SgdCoeffs<T> c = detail::sgd_coeffs(o);
-  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
-  parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
-#if defined(TAGPS_HAVE_AVX2_BUILD)
-    if (avx2) return detail::sgd_avx2(o, c, begin, end);
-#endif
-    detail::sgd_apply<detail::ScalarOps<T>>(o, c, begin, end);
-  });
+  simd_parallel_for(
+      o.count, kMinParallel, [&](auto begin, auto end) { detail::sgd_avx2(o, c, begin, end); },
+      [&](auto begin, auto end) { detail::sgd_apply<detail::ScalarOps<T>>(o, c, begin, end); });
 }
 
 }  // namespace

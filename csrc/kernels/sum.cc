@@ -21,15 +21,12 @@ void sum_into(const SumOptions& o) {
   for (const void* s : o.srcs) TAGPS_ENFORCE(s != nullptr, "sum_into: a source is null");
   const void* const* srcs = o.srcs.data();
   const size_t nsrc = o.srcs.size();
-  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
   detail::visit_dtype(o.dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
-    parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
-#if defined(TAGPS_HAVE_AVX2_BUILD)
-      if (avx2) return detail::sum_avx2(D, o.dst, srcs, nsrc, begin, end);
-#endif
-      detail::sum_ref<D>(o.dst, srcs, nsrc, begin, end);
-    });
+    simd_parallel_for(
+        o.count, kMinParallel,
+        [&](auto begin, auto end) { detail::sum_avx2(D, o.dst, srcs, nsrc, begin, end); },
+        [&](auto begin, auto end) { detail::sum_ref<D>(o.dst, srcs, nsrc, begin, end); });
   });
 }
 
@@ -42,16 +39,13 @@ void scale(const ScaleOptions& o) {
   }
   if (o.count == 0) return;
   TAGPS_ENFORCE(o.buf != nullptr, "scale: buf is null");
-  [[maybe_unused]] const bool avx2 = active_simd() == Simd::kAvx2;
   detail::visit_dtype(o.dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     const auto factor = detail::scale_factor<D>(o.factor);
-    parallel_for(o.count, kMinParallel, [&](size_t begin, size_t end) {
-#if defined(TAGPS_HAVE_AVX2_BUILD)
-      if (avx2) return detail::scale_avx2(D, o.buf, o.factor, begin, end);
-#endif
-      detail::scale_ref<D>(o.buf, factor, begin, end);
-    });
+    simd_parallel_for(
+        o.count, kMinParallel,
+        [&](auto begin, auto end) { detail::scale_avx2(D, o.buf, o.factor, begin, end); },
+        [&](auto begin, auto end) { detail::scale_ref<D>(o.buf, factor, begin, end); });
   });
 }
 
