@@ -68,11 +68,15 @@ class OpGroupPlan:
         placement: device-group names the group runs on (non-empty, no repeats).
         option: ``allreduce``/``ps`` (replicate, batch split, sync gradients), ``duplicate`` (full batch on
             every device, no sync) or ``mp`` (ops split over the devices with METIS).
+        mp_parts: for ``mp``, the split the simulator costs: ``(device, ops)`` per part in topological
+            order, each device (``"<group>:<index>"``) in the placement; together the parts hold the group's
+            ops. The runtime runs exactly this split (it never recomputes METIS).
     """
 
     ops: tuple[str, ...]
     placement: tuple[str, ...]
     option: str
+    mp_parts: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,25 @@ class Plan:
         """Devices with a non-zero batch share, in topology order."""
         return [d for d in self.topology.devices() if self.batch_shares.get(d, 0) > 0]
 
+    def worker_devices(self) -> list[str]:
+        """Devices that run some op group, in topology order: rank ``r`` of a job is the ``r``-th.
+
+        A replicated (``allreduce``/``ps``) group runs on the devices of its placement with a batch share;
+        ``duplicate`` runs on every device of its placement; ``mp`` on the devices of its parts. For a
+        data-parallel plan this equals :meth:`devices`.
+        """
+        used: set[str] = set()
+        for g in self.groups:
+            if g.option == "mp":
+                used.update(dev for dev, _ in g.mp_parts)
+                continue
+            for dg in g.placement:
+                for k in range(self.topology.group(dg).count):
+                    dev = f"{dg}:{k}"
+                    if g.option == "duplicate" or self.batch_shares.get(dev, 0) > 0:
+                        used.add(dev)
+        return [d for d in self.topology.devices() if d in used]
+
     def sync_of(self, param: str) -> str:
         """Sync method of parameter ``param``; KeyError naming it when the plan does not have it."""
         try:
@@ -187,6 +210,7 @@ class Plan:
                 if op in seen_ops:
                     raise PlanError(f"groups[{i}]: op {op!r} is already in groups[{seen_ops[op]}]")
                 seen_ops[op] = i
+            self._validate_mp_parts(i, g)
         for name, grad in self.gradients.items():
             if not isinstance(grad.group, int) or not 0 <= grad.group < len(self.groups):
                 raise PlanError(f"gradient {name!r}: group {grad.group!r} is not an op group index")
@@ -238,6 +262,31 @@ class Plan:
                 )
         return self
 
+    def _validate_mp_parts(self, i: int, g: OpGroupPlan) -> None:
+        if g.option != "mp":
+            if g.mp_parts:
+                raise PlanError(f"groups[{i}]: mp_parts given but option is {g.option!r}")
+            return
+        if not g.mp_parts:
+            return  # a search-side plan; the runtime refuses an mp group without its split
+        placed = {f"{dg}:{k}" for dg in g.placement for k in range(self.topology.group(dg).count)}
+        in_parts: list[str] = []
+        for j, (dev, ops) in enumerate(g.mp_parts):
+            if dev not in placed:
+                raise PlanError(
+                    f"groups[{i}].mp_parts[{j}]: device {dev!r} is not in placement {list(g.placement)}"
+                )
+            if not ops:
+                raise PlanError(f"groups[{i}].mp_parts[{j}]: a part needs at least one op")
+            in_parts.extend(ops)
+        if sorted(in_parts) != sorted(g.ops):
+            missing = sorted(set(g.ops) - set(in_parts))
+            extra = sorted(set(in_parts) - set(g.ops))
+            raise PlanError(
+                f"groups[{i}].mp_parts must hold each op of the group once (missing {missing[:3]}, "
+                f"unknown or repeated {extra[:3] or 'ops repeated'})"
+            )
+
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON-ready form."""
@@ -250,9 +299,7 @@ class Plan:
             "comm": {"overlap": self.comm.overlap, "fusion_bytes": self.comm.fusion_bytes},
             "ps_servers": list(self.ps_servers),
             "topology": self.topology.to_dict(),
-            "groups": [
-                {"ops": list(g.ops), "placement": list(g.placement), "option": g.option} for g in self.groups
-            ],
+            "groups": [_group_dict(g) for g in self.groups],
             "gradients": {
                 name: (
                     {"group": g.group, "sync": g.sync, "sfb_ops": list(g.sfb_ops)}
@@ -311,12 +358,28 @@ class Plan:
         if not isinstance(data["groups"], list):
             raise PlanError("groups must be a list")
         for i, g in enumerate(data["groups"]):
-            if not isinstance(g, Mapping) or set(g) != {"ops", "placement", "option"}:
-                raise PlanError(f"groups[{i}] must have exactly ops, placement, option")
+            if not isinstance(g, Mapping) or not {"ops", "placement", "option"} <= set(g) <= {
+                "ops",
+                "placement",
+                "option",
+                "mp_parts",
+            }:
+                raise PlanError(f"groups[{i}] must have ops, placement, option and optionally mp_parts")
             if not isinstance(g["ops"], list) or not isinstance(g["placement"], list):
                 raise PlanError(f"groups[{i}]: ops and placement must be lists")
+            parts_raw = g.get("mp_parts", [])
+            if not isinstance(parts_raw, list) or any(
+                not isinstance(p, Mapping) or set(p) != {"device", "ops"} or not isinstance(p["ops"], list)
+                for p in parts_raw
+            ):
+                raise PlanError(f"groups[{i}].mp_parts must be a list of {{device, ops}} objects")
             groups.append(
-                OpGroupPlan(tuple(map(str, g["ops"])), tuple(map(str, g["placement"])), g["option"])
+                OpGroupPlan(
+                    tuple(map(str, g["ops"])),
+                    tuple(map(str, g["placement"])),
+                    g["option"],
+                    tuple((str(p["device"]), tuple(map(str, p["ops"]))) for p in parts_raw),
+                )
             )
         if not isinstance(data["gradients"], Mapping):
             raise PlanError("gradients must be an object keyed by parameter name")
@@ -368,6 +431,13 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise PlanError(f"plan is not valid JSON: {exc}") from None
         return cls.from_dict(data)
+
+
+def _group_dict(g: OpGroupPlan) -> dict[str, Any]:
+    out: dict[str, Any] = {"ops": list(g.ops), "placement": list(g.placement), "option": g.option}
+    if g.mp_parts:
+        out["mp_parts"] = [{"device": dev, "ops": list(ops)} for dev, ops in g.mp_parts]
+    return out
 
 
 def load(source: str | Path | Mapping[str, Any] | Plan) -> Plan:

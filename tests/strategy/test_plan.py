@@ -123,7 +123,12 @@ CASES = [
     ("missing key", _set("gradients", _DELETE), r"missing \['gradients'\]"),
     ("unknown key", _set("extra", 1), r"unknown keys \['extra'\]"),
     ("bad topology", _set("topology/groups/0/device", "K80"), "topology: unknown device type 'K80'"),
-    ("group keys", _set("groups/0/extra", 1), r"groups\[0\] must have exactly"),
+    ("group keys", _set("groups/0/extra", 1), r"groups\[0\] must have ops, placement, option"),
+    (
+        "mp_parts on allreduce",
+        _set("groups/0/mp_parts", [{"device": "m0:0", "ops": ["x"]}]),
+        "mp_parts given",
+    ),
     ("gradient keys", _set("gradients/0.bias/extra", 1), "gradient '0.bias' must have"),
     ("predicted", _set("predicted", {"baseline": "x"}), "predicted must be null or"),
 ]
