@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if rnd == 0:
                         path = plans_dir / f"{key}-{name.lower().replace(' ', '-')}.json"
                         plan.save(path)
-                        worker = [sys.executable, "-m", "tagps.cluster.train", "--model", model, "--plan",
+                        worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan",
                                   str(path), "--runtime", runtime, "--steps", str(steps), "--warmup", "3"]
                         commands.append(f"tagps cluster run bench.yaml -- {shlex.join(worker)}")
         for key, model in MODELS.items():

@@ -4,7 +4,7 @@ The pieces the demo (``tagps demo``) and the end-to-end benchmark (``bench/e2e_c
 
 - :class:`Executor`: where jobs run, an emulated :class:`~tagps.cluster.run.Cluster` (devices are its
   worker slots) or local processes on 127.0.0.1 (one device group ``local``), with the measured topology;
-- :func:`run_plan`: start the plan's job (one :mod:`tagps.cluster.train` worker per device with a share,
+- :func:`run_plan`: start the plan's job (one :mod:`tagps.cluster.worker` worker per device with a share,
   servers where the plan puts them) and return rank 0's measurements;
 - :func:`ddp_plan`: the plan that models ``DistributedDataParallel`` (even shares, all-reduce overlapped
   with backward in 25 MiB buckets), so the simulator can predict the DDP baseline too.
@@ -115,7 +115,7 @@ def run_plan(
         env: extra environment of the processes.
 
     Returns:
-        Rank 0's result (:mod:`tagps.cluster.train`) plus ``job_status``, the job's exit status, and, when
+        Rank 0's result (:mod:`tagps.cluster.worker`) plus ``job_status``, the job's exit status, and, when
         that is not 0 (a process failed after rank 0 wrote its result, i.e. while leaving the job),
         ``job_error``, the end of the job's output.
 
@@ -138,7 +138,7 @@ def run_plan(
         plan_path, out = Path(tmp) / "plan.json", Path(tmp) / "result.json"
         plan.save(plan_path)
         command = [
-            sys.executable, "-m", "tagps.cluster.train", "--model", model, "--plan", str(plan_path),
+            sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan", str(plan_path),
             "--runtime", runtime, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out),
         ]  # fmt: skip
         with tempfile.TemporaryFile() as log:

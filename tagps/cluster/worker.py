@@ -2,7 +2,7 @@
 
 Start one copy per device of the plan (``bpslaunch --local`` or :meth:`tagps.cluster.run.Cluster.run`)::
 
-    python -m tagps.cluster.train --model vgg-mini --plan plan.json --steps 30 --out result.json
+    python -m tagps.cluster.worker --model vgg-mini --plan plan.json --steps 30 --out result.json
 
 Rank ``r`` is the plan's ``r``-th device and trains on its batch share. ``--runtime tagps`` (default)
 synchronises every gradient as the plan says through ``tagps.torch.DistributedOptimizer``; ``--runtime ddp``
@@ -30,7 +30,7 @@ _OPTIMIZERS = {"sgd": (0.05, 0.0), "momentum": (0.05, 0.9)}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tagps.cluster.train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tagps.cluster.worker", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="registry model (tagps.models.MODELS)")
     p.add_argument("--plan", required=True, help="data-parallel plan file: batch shares, sync methods")
     p.add_argument("--runtime", choices=("tagps", "ddp"), default="tagps")
