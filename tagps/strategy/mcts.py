@@ -458,7 +458,7 @@ class _Search:
         if unfused_result.feasible and unfused_result.iteration_time < t:
             t, plan, result = unfused_result.iteration_time, unfused, unfused_result
         if self.config.sfb:
-            from tagps.strategy.sfb import apply_sfb
+            from tagps.strategy.sfb_milp import apply_sfb
 
             with_sfb = apply_sfb(sim, plan)  # the solver's choices, costed by the simulator
             if with_sfb is not plan:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tagps.comm.handle import Handle
-from tagps.comm.sfb import SufficientFactors
+from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.torch import ops
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.strategy import resolve_strategy

@@ -13,7 +13,7 @@ from torch import nn
 import tagps
 import tagps.torch as bps
 from tagps.comm.local_reduce import shard_bounds
-from tagps.comm.sfb import SFBNotApplicable
+from tagps.comm.sufficient_factors import SFBNotApplicable
 from tagps.config import ConfigError, comm_config
 from tagps.torch.strategy import resolve_strategy
 

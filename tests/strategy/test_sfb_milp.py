@@ -10,7 +10,7 @@ from tagps.strategy.baselines import data_parallel_plan, even_shares
 from tagps.strategy.graph import extract_graph
 from tagps.strategy.grouping import group_ops
 from tagps.strategy.plan import CommSettings
-from tagps.strategy.sfb import SOLVE_LIMIT_S, apply_sfb, solve_gradient
+from tagps.strategy.sfb_milp import SOLVE_LIMIT_S, apply_sfb, solve_gradient
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Topology
 
