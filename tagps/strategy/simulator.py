@@ -262,7 +262,8 @@ class Simulator:
     Attributes (read-only, for the search): ``graph``, ``grouping``, ``topology``; ``groups`` (per op
     group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
     topology's device groups) with their ``dtypes`` and the bandwidth matrix ``bw`` (bytes/s, diagonal =
-    intra-group); :meth:`group_time` gives an op group's forward/backward seconds on a device group.
+    intra-group); :meth:`group_time` gives an op group's forward/backward seconds on a device group and
+    :meth:`mp_assignment` the split of an ``mp`` group that the plan records.
     """
 
     def __init__(
@@ -313,6 +314,7 @@ class Simulator:
         self._op_index: dict[str, int] | None = None
         self._mp_cache: dict[tuple[int, tuple[int, ...], int], list[_MPSegment]] = {}
         self._parts_cache: dict[tuple[int, int], tuple[list[tuple[int, ...]], dict[int, int]]] = {}
+        self._assign_cache: dict[tuple[int, tuple[str, ...]], tuple[tuple[str, tuple[str, ...]], ...]] = {}
         self._inner_edges: list[list[tuple[int, int, int]]] = [[] for _ in self.groups]
         for src, dst, nbytes in graph.edges:
             if op_group[src] == op_group[dst]:
@@ -425,23 +427,64 @@ class Simulator:
             )
         return hit
 
-    def _mp_layout(self, group: int, order: tuple[int, ...], batch: int) -> list[_MPSegment]:
-        """Model-parallel layout of op group ``group`` over device groups ``order`` (METIS parts, cached).
+    def _mp_split(
+        self, group: int, order: tuple[int, ...]
+    ) -> tuple[list[tuple[int, ...]], dict[int, int], list[tuple[int, int]]]:
+        """METIS parts of op group ``group`` over device groups ``order``, each op's part, each part's device.
 
-        The group's METIS parts, in topological order, go to consecutive devices of the placement starting
-        at device ``group mod k``, so that groups with fewer parts than devices do not all land on the
-        first device. Consecutive parts on one device group form one segment (they run as a chain).
+        The parts, in topological order, go to consecutive devices ``(device group, index)`` of the
+        placement starting at device ``group mod k``, so that groups with fewer parts than devices do not
+        all land on the first device. The one place that decides an mp split: the costing
+        (:meth:`_mp_layout`) and the plan (:meth:`mp_assignment`) both read it.
+        """
+        devices = [(g, d) for g in order for d in range(self.dgroups[g].count)]
+        parts, part_of = self._mp_parts(group, len(devices))
+        return parts, part_of, [devices[(group + j) % len(devices)] for j in range(len(parts))]
+
+    def mp_assignment(self, group: int, placement: Sequence[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The split this simulator costs for op group ``group`` as ``mp`` on ``placement`` (cached).
+
+        Args:
+            group: op group index.
+            placement: device-group names in the plan's order (the order decides which device each part
+                goes to).
+
+        Returns:
+            ``(device "<group>:<index>", op names)`` per METIS part in topological order: the value of
+            :attr:`~tagps.strategy.plan.OpGroupPlan.mp_parts`.
+
+        Raises:
+            ValueError: a device group is not in the topology.
+        """
+        key = (group, tuple(placement))
+        hit = self._assign_cache.get(key)
+        if hit is None:
+            unknown = [name for name in placement if name not in self.dindex]
+            if unknown or not placement:
+                raise ValueError(f"mp placement {list(placement)} has unknown device groups {unknown}")
+            parts, _, devices = self._mp_split(group, tuple(self.dindex[name] for name in placement))
+            ops = self.graph.ops
+            hit = self._assign_cache[key] = tuple(
+                (f"{self.dgroups[g].name}:{d}", tuple(ops[i].name for i in part))
+                for part, (g, d) in zip(parts, devices, strict=True)
+            )
+        return hit
+
+    def _mp_layout(self, group: int, order: tuple[int, ...], batch: int) -> list[_MPSegment]:
+        """Model-parallel layout of op group ``group`` over device groups ``order`` (cached).
+
+        The split is :meth:`_mp_split`'s; consecutive parts on one device group form one segment (they
+        run as a chain).
         """
         key = (group, order, batch)
         hit = self._mp_cache.get(key)
         if hit is not None:
             return hit
-        devices = [(g, d) for g in order for d in range(self.dgroups[g].count)]
-        parts, part_of = self._mp_parts(group, len(devices))
+        parts, part_of, devices = self._mp_split(group, order)
         ops = self.graph.ops
         runs: list[tuple[int, list[int]]] = []  # (device group, part indices)
         for j in range(len(parts)):
-            g = devices[(group + j) % len(devices)][0]
+            g = devices[j][0]
             if runs and runs[-1][0] == g:
                 runs[-1][1].append(j)
             else:
@@ -463,7 +506,7 @@ class Simulator:
                         out += nbytes
             cut = intra * batch / self.bw[g][g]
             memory = {
-                devices[(group + j) % len(devices)][1]: (
+                devices[j][1]: (
                     sum(ops[i].param_bytes for i in parts[j]),
                     sum(ops[i].out_bytes for i in parts[j]),
                     sum(len(ops[i].params) for i in parts[j]),
