@@ -46,7 +46,6 @@ __all__ = [
     "calibrate_stages",
     "default_path",
     "main",
-    "measure_core",
     "profile_step",
 ]
 
@@ -68,37 +67,6 @@ def default_path() -> Path:
     from tagps.config import strategy_config
 
     return Path(strategy_config().cache_dir) / "calibration.json"
-
-
-def measure_core(seconds: float = 0.5) -> tuple[float, float]:
-    """Return one thread's float32 matmul rate (FLOP/s) and copy bandwidth (bytes read + written per s).
-
-    Both count this thread's CPU time (``time.thread_time``), not wall time, and keep the best of several
-    windows, so that other load on the host shows as little as it can.
-    """
-    import numpy as np
-    import torch
-
-    torch.set_num_threads(1)
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    for _ in range(3):
-        a @ b
-    rates = []
-    for _ in range(10):
-        n, start = 0, time.thread_time()
-        while time.thread_time() - start < seconds / 10:
-            a @ b
-            n += 1
-        rates.append(2 * 256**3 * n / (time.thread_time() - start))
-    src = np.ones(1 << 23, dtype=np.float32)  # 32 MiB, touched once before timing
-    dst = np.zeros_like(src)
-    np.copyto(dst, src)
-    copies = []
-    for _ in range(5):
-        t = time.thread_time()
-        np.copyto(dst, src)
-        copies.append(time.thread_time() - t)
-    return max(rates), 2 * src.nbytes / min(copies)
 
 
 def profile_step(model: Any, inputs: Sequence[Any], steps: int = 5) -> float:
@@ -272,6 +240,7 @@ def calibrate_stages(
         (the same with the communication constants refitted to whole jobs).
     """
     from tagps.cluster import ClusterError, check_support
+    from tagps.cluster.measure import measure_core
 
     batches, steps, reps = ((4, 32), 3, 3) if quick else ((4, 16, 32), 5, 5)
     started = time.monotonic()

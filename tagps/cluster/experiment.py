@@ -59,8 +59,7 @@ def local_executor(devices: int, probe_seconds: float = 0.3) -> Executor:
     Each device is one process with one thread; with more devices than cores they share the cores, so a
     device's ``peak_flops`` is the core's matmul rate times ``min(1, cores / devices)``.
     """
-    from tagps.calibrate import measure_core
-    from tagps.cluster.measure import measure_pair
+    from tagps.cluster.measure import measure_core, measure_pair
     from tagps.launcher import free_ports
 
     if devices < 1:

@@ -1,4 +1,4 @@
-"""Link measurements between emulated machines: round-trip time and TCP goodput.
+"""Host measurements: the links between emulated machines (round-trip time, TCP goodput) and one core.
 
 ``python -m tagps.cluster.measure serve HOST PORT`` accepts two connections: on the first it echoes
 64-byte messages (the round trip), on the second it counts the bytes the client streams and answers with
@@ -6,6 +6,9 @@ the goodput from the first to the last byte. ``python -m tagps.cluster.measure p
 is that client; it prints one JSON line ``{"rtt_s": ..., "bandwidth_Bps": ...}``. The cluster runs the
 server in one machine's namespace and cgroup and the client in another's (:func:`measure_pair`), so the
 figures include the ``tc`` limits, the kernel's TCP stack and the machines' CPU quotas.
+
+:func:`measure_core` measures the core this process runs on: the references the roofline's fitted
+efficiencies are fractions of (``python -m tagps.calibrate``) and a local executor's device speed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LinkMeasurement", "measure_pair", "probe", "serve"]
+__all__ = ["LinkMeasurement", "measure_core", "measure_pair", "probe", "serve"]
 
 _MSG = 64
 _CHUNK = 1 << 20
@@ -148,6 +151,37 @@ def measure_pair(
         finally:
             if server.poll() is None:
                 server.kill()
+
+
+def measure_core(seconds: float = 0.5) -> tuple[float, float]:
+    """Return one thread's float32 matmul rate (FLOP/s) and copy bandwidth (bytes read + written per s).
+
+    Both count this thread's CPU time (``time.thread_time``), not wall time, and keep the best of several
+    windows, so that other load on the host shows as little as it can.
+    """
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    for _ in range(3):
+        a @ b
+    rates = []
+    for _ in range(10):
+        n, start = 0, time.thread_time()
+        while time.thread_time() - start < seconds / 10:
+            a @ b
+            n += 1
+        rates.append(2 * 256**3 * n / (time.thread_time() - start))
+    src = np.ones(1 << 23, dtype=np.float32)  # 32 MiB, touched once before timing
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)
+    copies = []
+    for _ in range(5):
+        t = time.thread_time()
+        np.copyto(dst, src)
+        copies.append(time.thread_time() - t)
+    return max(rates), 2 * src.nbytes / min(copies)
 
 
 def _main(argv: Sequence[str]) -> None:
