@@ -7,16 +7,20 @@ Horovod's protocol (hooks that start a gradient's sync during backward, ``synchr
 Collective methods (``allreduce``, ``sfb``) must be issued in the same order on every worker, so every
 gradient is started in one fixed order (reverse registration, the usual order of backward) as soon as it
 and every earlier one are ready; consecutive gradients of the same method (``allreduce`` or ``ps``) are
-fused into buckets of up to ``TAGPS_FUSION_BYTES``, cut the same way on every worker.
+fused into buckets of up to ``TAGPS_FUSION_BYTES`` (a plan's ``comm.fusion_bytes`` when the strategy is a
+plan), cut the same way on every worker. A plan with ``comm.overlap = false`` starts every gradient after
+the whole backward, in ``step()``/``synchronize()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import os
+import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,9 @@ from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.torch import ops
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.strategy import resolve_strategy
+
+if TYPE_CHECKING:
+    from tagps.strategy.plan import Plan
 
 __all__ = ["Adasum", "Average", "DistributedOptimizer", "ReduceOp", "Sum"]
 
@@ -83,7 +90,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "a strategy that names parameters needs named_parameters=model.named_parameters()"
             )
         self._names = _names(self._params, named_parameters)
-        plan = resolve_strategy(strategy, list(self._names.values()), ops.default_method(st.cfg))
+        plan_doc = _plan_of(strategy)
+        if plan_doc is not None:
+            _check_sfb_ops(plan_doc, list(self._names.values()))
+        plan = resolve_strategy(
+            plan_doc if plan_doc is not None else strategy,
+            list(self._names.values()),
+            ops.default_method(st.cfg),
+        )
+        # A plan fixes fusion and overlap (the simulator costed them); otherwise TAGPS_FUSION_BYTES decides.
+        fusion_bytes = plan_doc.comm.fusion_bytes if plan_doc is not None else st.cfg.fusion_bytes
+        self._overlap = plan_doc.comm.overlap if plan_doc is not None else True
         self._method = {p: plan.methods[self._names[p]] for p in self._params}
         self._weight = _batch_weight(plan.batch_shares, batch_share, op, st.cfg.size, st.cfg.rank)
         sfb_weights = {p: self._names[p] for p, m in self._method.items() if m == "sfb" and p.dim() != 1}
@@ -98,7 +115,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._units = _units(
             [p for p in reversed(self._params) if self._method[p] != "none"],
             self._method,
-            st.cfg.fusion_bytes,
+            fusion_bytes,
         )
         ps_units = [u for u in self._units if self._method[u[0]] == "ps"]
         if ps_units:
@@ -155,7 +172,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuse while a synchronisation is in flight (it would write them back)."""
-        if self._handles or self._next:
+        # Without overlap, gradients wait in _ready until step(): zeroing them would lose them too.
+        if self._handles or self._next or self._ready:
             raise RuntimeError(
                 "zero_grad() was called after backward() but before step() or synchronize(); "
                 "call it before backward() or after step()"
@@ -211,7 +229,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if self._method[p] != "none":
             self._ready.add(p)
-            self._drain()
+            if self._overlap:
+                self._drain()
 
     def _unit_key(self, unit: list[nn.Parameter]) -> str:
         """The PS key of a launch unit: its first parameter's, with the count of the others."""
@@ -286,6 +305,47 @@ def _remove(hooks: list[Any], sfb: SufficientFactors | None) -> None:
         h.remove()
     if sfb is not None:
         sfb.close()
+
+
+def _plan_of(strategy: object) -> Plan | None:
+    """Return ``strategy`` loaded as a plan (validated once), or ``None`` when it is not a plan."""
+    if strategy is None or (
+        isinstance(strategy, Mapping) and all(isinstance(v, str) for v in strategy.values())
+    ):
+        return None
+    from tagps.strategy import plan as plan_ir
+
+    if not isinstance(strategy, str | os.PathLike | Mapping | plan_ir.Plan):
+        return None  # resolve_strategy names the accepted types
+    return plan_ir.load(strategy)
+
+
+def _fx_module_op(module_path: str) -> str:
+    """Return the torch.fx node name of a call of the module at ``module_path`` (the plan's op names)."""
+    name = re.sub(r"[^0-9a-zA-Z_]+", "_", re.sub(r"(?<=[a-z])([A-Z])", r"_\1", module_path).lower())
+    return f"_{name}" if name[:1].isdigit() else name
+
+
+def _check_sfb_ops(plan: Plan, names: list[str]) -> None:
+    """Refuse a plan whose ``sfb_ops`` duplicate more than the ``nn.Linear`` owning the gradient.
+
+    The runtime's SFB rebuilds a weight gradient from the owning layer's input and output gradient, i.e. it
+    duplicates exactly the owning op (every call of it: ``fc``, ``fc_1``, ...). Other ops in ``sfb_ops``
+    would change which factors travel, so such a plan is refused before step 0 rather than run differently
+    from what the simulator costed.
+    """
+    for name in names:
+        grad = plan.gradients.get(name)
+        if grad is None or grad.sync != "sfb" or not grad.sfb_ops:
+            continue
+        owner = _fx_module_op(name.rpartition(".")[0])
+        others = [op for op in grad.sfb_ops if not re.fullmatch(rf"{re.escape(owner)}(_\d+)?", op)]
+        if others:
+            raise ValueError(
+                f"the plan gives gradient {name!r} sfb_ops {list(grad.sfb_ops)}, but the runtime's SFB "
+                f"duplicates only the nn.Linear that owns it (op {owner!r}) and cannot duplicate {others}; "
+                f"make the plan with sfb_ops [] or [{owner!r}] for it, or sync it with allreduce or ps"
+            )
 
 
 def _numel(unit: list[nn.Parameter]) -> int:
@@ -407,7 +467,9 @@ def DistributedOptimizer(
         op: ``Average`` (default) or ``Sum``.
         strategy: ``None`` (``ps`` when summation servers exist, else ``allreduce``), a dict
             ``{param_name: method, "default": method}`` with methods ``allreduce``, ``ps``, ``sfb``,
-            ``none``, or a plan (object or path, see ``tagps.strategy.plan``) with its batch shares.
+            ``none``, or a plan (object or path, see ``tagps.strategy.plan``) with its batch shares;
+            a plan's ``comm.fusion_bytes`` replaces ``TAGPS_FUSION_BYTES`` and ``comm.overlap = false``
+            starts every gradient after the whole backward.
         batch_share: this worker's share of the global batch (e.g. its local batch size) when shares are
             uneven and the strategy does not fix them; every worker must pass one.
 
@@ -416,7 +478,8 @@ def DistributedOptimizer(
 
     Raises:
         ValueError: an unknown parameter name or method in ``strategy``, ``sfb`` on a non-linear weight,
-            bad shares or arguments; before any training step.
+            plan ``sfb_ops`` other than the owning ``nn.Linear``, bad shares or arguments; before any
+            training step.
     """
     return _DistributedOptimizer(
         optimizer, named_parameters, compression, backward_passes_per_step, op, strategy, batch_share

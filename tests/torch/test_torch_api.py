@@ -316,3 +316,102 @@ def test_fusion_units_are_deterministic_runs() -> None:
         [6],
     ]
     assert [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=0)] == [[i] for i in range(7)]
+
+
+def _world_plan(comm: dict[str, object], gradients: dict[str, dict[str, object]] | None = None) -> dict:
+    """A data-parallel plan for :func:`_mlp` in a world of one (all 4 samples on ``v100:0``)."""
+    from tagps.strategy.plan import PLAN_VERSION
+    from tagps.strategy.topology import paper_testbed
+
+    topology = paper_testbed()
+    shares = dict.fromkeys(topology.devices(), 0)
+    shares["v100:0"] = 4
+    return {
+        "version": PLAN_VERSION, "kind": "data-parallel", "model": "mlp", "batch_size": 4,
+        "topology": topology.to_dict(),
+        "groups": [{"ops": ["_0", "_1", "_2"], "placement": ["v100"], "option": "allreduce"}],
+        "gradients": gradients or {}, "batch_shares": shares, "comm": comm,
+    }  # fmt: skip
+
+
+@pytest.fixture
+def started_sums(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the summations the optimizer starts, in order."""
+    from tagps.torch import ops
+
+    started: list[str] = []
+    real = ops.start_sum
+
+    def record(tensor: torch.Tensor, **kwargs: object) -> object:
+        started.append(str(kwargs["name"]))
+        return real(tensor, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops, "start_sum", record)
+    return started
+
+
+@pytest.fixture
+def no_env_fusion(monkeypatch: pytest.MonkeyPatch, world_of_one: None) -> Iterator[None]:
+    """A world of one started with ``TAGPS_FUSION_BYTES=0`` (every gradient alone without a plan)."""
+    bps.shutdown()
+    monkeypatch.setenv("TAGPS_FUSION_BYTES", "0")
+    bps.init()
+    yield
+
+
+def test_plan_fusion_bytes_takes_precedence_over_the_environment(
+    no_env_fusion: None, started_sums: list[str]
+) -> None:
+    model = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = bps.DistributedOptimizer(sgd, model.named_parameters(), strategy={"default": "allreduce"})
+    _backward(model)
+    opt.step()
+    assert len(started_sums) == 4  # the environment's 0: no fusion
+    started_sums.clear()
+    del opt
+    opt = bps.DistributedOptimizer(
+        sgd, model.named_parameters(), strategy=_world_plan({"fusion_bytes": 1 << 20})
+    )
+    opt.zero_grad()
+    _backward(model)
+    opt.step()
+    assert len(started_sums) == 1  # the plan's 1 MiB bucket holds all four gradients
+
+
+def test_plan_without_overlap_syncs_after_backward(world_of_one: None, started_sums: list[str]) -> None:
+    model, ref = _mlp(), _mlp()
+    plan = _world_plan({"overlap": False, "fusion_bytes": 0})
+    opt = bps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), strategy=plan
+    )
+    x = torch.randn(5, 4)
+    model(x).pow(2).sum().backward()
+    assert started_sums == []  # nothing starts during backward
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called after backward"):
+        opt.zero_grad()
+    opt.step()
+    assert len(started_sums) == 4
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).pow(2).sum().backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_plan_sfb_ops_beyond_the_owning_linear_are_refused(world_of_one: None) -> None:
+    model = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def plan(sfb_ops: list[str]) -> dict:
+        return _world_plan({}, {"0.weight": {"group": 0, "sync": "sfb", "sfb_ops": sfb_ops}})
+
+    with pytest.raises(ValueError, match=re.escape("gradient '0.weight' sfb_ops ['_0', '_1']")) as err:
+        bps.DistributedOptimizer(sgd, model.named_parameters(), strategy=plan(["_0", "_1"]))
+    assert "cannot duplicate ['_1']" in str(err.value)
+    for ok in ([], ["_0"]):  # the owning op, or nothing, is what the runtime's SFB does
+        opt = bps.DistributedOptimizer(sgd, model.named_parameters(), strategy=plan(ok))
+        _backward(model)
+        opt.step()
+        opt.zero_grad()
+        del opt
