@@ -4,14 +4,16 @@ The pieces the demo (``tagps demo``) and the end-to-end benchmark (``bench/e2e_c
 
 - :class:`Executor`: where jobs run, an emulated :class:`~tagps.cluster.run.Cluster` (devices are its
   worker slots) or local processes on 127.0.0.1 (one device group ``local``), with the measured topology;
-- :func:`run_plan`: start the plan's job (one :mod:`tagps.cluster.worker` worker per device with a share,
-  servers where the plan puts them) and return rank 0's measurements;
+- :func:`run_plan`: start the plan's job (one :mod:`tagps.cluster.worker` worker per device the plan runs
+  on, servers where the plan puts them) and return rank 0's measurements;
 - :func:`ddp_plan`: the plan that models ``DistributedDataParallel`` (even shares, all-reduce overlapped
-  with backward in 25 MiB buckets), so the simulator can predict the DDP baseline too.
+  with backward in 25 MiB buckets), so the simulator can predict the DDP baseline too;
+  :func:`ddp_subset_plans`: the same on each subset of device groups (DDP on the best subset).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -28,9 +30,18 @@ if TYPE_CHECKING:
     from tagps.cluster.run import Cluster
     from tagps.strategy.simulator import Simulator
 
-__all__ = ["DDP_BUCKET_BYTES", "Executor", "ddp_plan", "local_executor", "plan_servers", "run_plan"]
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "Executor",
+    "ddp_plan",
+    "ddp_subset_plans",
+    "local_executor",
+    "plan_servers",
+    "run_plan",
+]
 
 DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
+_DDP_COMM = CommSettings(overlap=True, fusion_bytes=DDP_BUCKET_BYTES)
 
 
 @dataclass
@@ -89,8 +100,22 @@ def ddp_plan(sim: Simulator, batch: int, optimizer: str = "adam") -> Plan:
     """The data-parallel plan that ``DistributedDataParallel`` executes (even shares, 25 MiB buckets)."""
     from tagps.strategy.baselines import data_parallel_plan, even_shares
 
-    comm = CommSettings(overlap=True, fusion_bytes=DDP_BUCKET_BYTES)
-    return data_parallel_plan(sim, batch, even_shares(sim, batch), comm=comm, optimizer=optimizer)
+    return data_parallel_plan(sim, batch, even_shares(sim, batch), comm=_DDP_COMM, optimizer=optimizer)
+
+
+def ddp_subset_plans(sim: Simulator, batch: int, optimizer: str = "adam") -> list[Plan]:
+    """:func:`ddp_plan` on every non-empty subset of ``sim``'s device groups whose devices split ``batch``
+    evenly (DDP averages gradients as if every rank had the same share), smaller subsets first."""
+    from tagps.strategy.baselines import data_parallel_plan
+
+    plans = []
+    for size in range(1, len(sim.dgroups) + 1):
+        for subset in itertools.combinations(sim.dgroups, size):
+            devices = [d for g in subset for d in g.devices()]
+            if batch % len(devices) == 0:
+                shares = {d: batch // len(devices) for d in devices}
+                plans.append(data_parallel_plan(sim, batch, shares, comm=_DDP_COMM, optimizer=optimizer))
+    return plans
 
 
 def run_plan(
@@ -107,8 +132,10 @@ def run_plan(
     Args:
         executor: where to run.
         model: registry model name (the plan's model).
-        plan: a data-parallel plan for ``executor.topology``'s devices.
-        runtime: ``tagps`` (the plan's sync methods) or ``ddp`` (DistributedDataParallel over gloo).
+        plan: a plan for ``executor.topology``'s devices; rank ``r`` is its ``r``-th worker device
+            (:meth:`~tagps.strategy.plan.Plan.worker_devices`).
+        runtime: ``tagps`` (the plan as it stands) or ``ddp`` (DistributedDataParallel over gloo;
+            data-parallel plans only).
         steps: timed steps.
         warmup: untimed steps first.
         env: extra environment of the processes.
@@ -119,15 +146,17 @@ def run_plan(
         ``job_error``, the end of the job's output.
 
     Raises:
-        ValueError: the plan is not data-parallel or names devices the executor does not have.
+        ValueError: a plan that is not data-parallel for ``ddp``, or one that names devices the executor does
+            not have.
         RuntimeError: the job failed before rank 0 wrote its result (the message holds the end of its
             output).
     """
     from tagps.launcher import local_job, run_processes
 
-    if plan.kind != "data-parallel":
-        raise ValueError(f"the runtime executes data-parallel plans; this one is {plan.kind!r}")
-    devices = plan.devices()
+    if runtime == "ddp" and plan.kind != "data-parallel":
+        raise ValueError(f"DistributedDataParallel runs data-parallel plans; this one is {plan.kind!r}")
+    # What the runtime cannot execute it refuses by name before step 0; the job's output says why.
+    devices = plan.worker_devices()
     known = executor.topology.devices()
     if any(d not in known for d in devices):
         raise ValueError(f"plan devices {devices} are not all in the executor's topology {known}")

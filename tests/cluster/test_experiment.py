@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 
-from tagps.cluster.experiment import DDP_BUCKET_BYTES, Executor, ddp_plan, plan_servers, run_plan
+from tagps.cluster.experiment import (
+    DDP_BUCKET_BYTES,
+    Executor,
+    ddp_plan,
+    ddp_subset_plans,
+    plan_servers,
+    run_plan,
+)
 from tagps.strategy.baselines import byteps_like, dp_nccl
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Topology
@@ -40,12 +47,27 @@ def test_ddp_plan_models_distributed_data_parallel(sim: Simulator) -> None:
     assert {g.sync for g in plan.gradients.values()} == {"allreduce"}
 
 
+def test_ddp_subset_plans_cover_the_subsets_that_split_the_batch_evenly(sim: Simulator) -> None:
+    # a: 2 devices, b: 1 device; batch 6 splits evenly over a (2), b (1) and a+b (3).
+    plans = ddp_subset_plans(sim, 6)
+    assert [p.batch_shares for p in plans] == [
+        {"a:0": 3, "a:1": 3},
+        {"b:0": 6},
+        {"a:0": 2, "a:1": 2, "b:0": 2},
+    ]
+    assert all(p.kind == "data-parallel" and p.comm == ddp_plan(sim, 6).comm for p in plans)
+    assert plans[1].groups[0].placement == ("b",)
+    # batch 4: a+b has 3 devices, which DDP cannot share 4 samples between evenly.
+    assert [p.devices() for p in ddp_subset_plans(sim, 4)] == [["a:0", "a:1"], ["b:0"]]
+
+
 def test_run_plan_rejects_plans_it_cannot_run(sim: Simulator) -> None:
     executor = Executor(Topology("one", (DeviceGroup("x", "CPU", 1, 10.0),), 1.0))
     with pytest.raises(ValueError, match="not all in the executor's topology"):
         run_plan(executor, "transformer-mini", dp_nccl(sim, 6))
-    with pytest.raises(ValueError, match="data-parallel"):
-        run_plan(executor, "transformer-mini", dataclasses.replace(dp_nccl(sim, 6), kind="general"))
+    general = dataclasses.replace(dp_nccl(sim, 6), kind="general")
+    with pytest.raises(ValueError, match="DistributedDataParallel runs data-parallel plans"):
+        run_plan(Executor(TOPOLOGY), "transformer-mini", general, runtime="ddp")
 
 
 @pytest.mark.timeout(180)
