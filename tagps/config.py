@@ -130,6 +130,8 @@ class CommConfig:
         pcie_switch_size: local ranks per PCIe switch (``BYTEPS_PCIE_SWITCH_SIZE``, default 0 = one group).
         local_topology: explicit groups of local ranks, e.g. ``0,1|2,3`` (``TAGPS_LOCAL_TOPOLOGY``);
             overrides ``pcie_switch_size``.
+        device: the plan device this process is meant to be, e.g. ``m0:1`` (``TAGPS_DEVICE``, set by
+            ``tagps cluster run``); the general-plan executor refuses a job whose ranks disagree with it.
     """
 
     num_worker: int = 1
@@ -145,6 +147,7 @@ class CommConfig:
     fusion_bytes: int = 25 << 20
     pcie_switch_size: int = 0
     local_topology: tuple[tuple[int, ...], ...] | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_id < self.num_worker:
@@ -200,6 +203,7 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
         fusion_bytes=_read(env, "TAGPS_FUSION_BYTES", _int(0), 25 << 20),
         pcie_switch_size=_read(env, "BYTEPS_PCIE_SWITCH_SIZE", _int(0), 0),
         local_topology=_read(env, "TAGPS_LOCAL_TOPOLOGY", _topology, None),
+        device=_read(env, "TAGPS_DEVICE", str.strip, None) or None,
     )
 
 

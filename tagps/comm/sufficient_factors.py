@@ -121,7 +121,9 @@ class SufficientFactors:
             )
         self._checked.add(id(weight))
 
-    def start(self, weight: nn.Parameter, scale: float, backward_ran: bool) -> Handle:
+    def start(
+        self, weight: nn.Parameter, scale: float, backward_ran: bool, group: object | None = None
+    ) -> Handle:
         """Gather the factors of ``weight`` from every worker and start rebuilding its gradient.
 
         Args:
@@ -129,6 +131,7 @@ class SufficientFactors:
             scale: this worker's weight in the sum (its batch share for an average, 1 for a sum).
             backward_ran: whether backward produced a gradient for ``weight`` in this step; without one
                 this worker contributes no factors.
+            group: the ``torch.distributed`` subgroup of the replicas (default: every worker).
 
         Returns:
             A handle whose ``wait()`` writes :math:`\\sum_r w_r G_r^\\top X_r` into ``weight.grad``.
@@ -136,7 +139,7 @@ class SufficientFactors:
         xs, gs = self._local(weight, backward_ran)
         out_f = weight.shape[0]
         packed = torch.cat([gs * scale, xs], dim=1)
-        work, gathered = collectives.all_gather_varlen_async(packed)
+        work, gathered = collectives.all_gather_varlen_async(packed, group)
 
         def finish() -> torch.Tensor:
             rows = gathered()

@@ -14,6 +14,7 @@ from tagps.comm import collectives
 from tagps.comm.handle import Handle
 from tagps.torch import ops
 from tagps.torch.compression import Compression, Compressor
+from tagps.torch.executor import DistributedModel, distribute
 from tagps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, ReduceOp, Sum
 
@@ -21,6 +22,7 @@ __all__ = [
     "Adasum",
     "Average",
     "Compression",
+    "DistributedModel",
     "DistributedOptimizer",
     "Handle",
     "ReduceOp",
@@ -37,6 +39,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "distribute",
     "gloo_built",
     "init",
     "is_initialized",

@@ -105,6 +105,7 @@ def start_sum(
     compression: type[Compressor] = NoneCompressor,
     prescale: float = 1.0,
     postscale: float = 1.0,
+    group: object | None = None,
 ) -> Handle:
     """Start summing ``tensor`` in place over the workers and return its handle.
 
@@ -121,6 +122,7 @@ def start_sum(
         compression: applied after ``prescale`` and undone before ``postscale``.
         prescale: this worker's factor, applied before sending (uneven batch shares).
         postscale: factor applied to the sum (1/size for an average).
+        group: for ``allreduce``, the ``torch.distributed`` subgroup to sum over (default: every worker).
     """
     st = state()
     if not tensor.is_contiguous():
@@ -130,7 +132,7 @@ def start_sum(
     wire, ctx = compression.compress(tensor)
     work: Waitable
     if method == "allreduce":
-        work = collectives.all_reduce_async(wire)
+        work = collectives.all_reduce_async(wire, group)
     elif method == "ps":
         work = st.ps_service().push_pull_async(name, wire, priority)
     else:
