@@ -1,28 +1,41 @@
-"""End-to-end on an emulated heterogeneous cluster: tagps plans vs the baselines, measured and predicted.
+"""End-to-end on an emulated cluster: TAG's general plan, the best data-parallel plan and the baselines.
 
-Usage: python bench/e2e_cluster.py [--quick] [--out FILE]        (needs root: namespaces, tc, cgroups)
+Usage: python bench/e2e_cluster.py [--quick] [--cluster SPEC] [--out FILE]   (needs root: netns, tc, cgroups)
 
-The cluster (:data:`BENCH_CLUSTER`): two machines with 2 devices each on 1 Gbit/s links and 0.7 cores
-each, one slower machine with 2 devices on 200 Mbit/s and 0.3 cores (every device is one worker process
-with one thread; a machine's quota is shared by what it runs). For ``vgg-mini`` (VGG-style: 3x3 convs and
-a wide FC classifier, 3.3M parameters) and ``transformer-mini`` (2-layer causal Transformer LM, 0.7M
-parameters), each at a global batch of 48, it trains with
+The cluster is ``--cluster SPEC`` (a YAML/JSON spec, :mod:`tagps.cluster.spec`; ``bench/clusters/`` holds the
+committed ones) or the built-in :data:`BENCH_CLUSTER`: two machines with 2 devices each on 1 Gbit/s links
+and 0.7 cores each, one slower machine with 2 devices on 200 Mbit/s and 0.3 cores (every device is one
+worker process with one thread; a machine's quota is shared by what it runs). For ``vgg-mini`` (VGG-style:
+3x3 convs and a wide FC classifier, 3.3M parameters) and ``transformer-mini`` (2-layer causal Transformer
+LM, 0.7M parameters), each at a global batch of 48, it trains with
 
-- **tagps plan**: MCTS restricted to data-parallel plans (what the runtime executes), on the simulator
-  calibrated for this host (``python -m tagps.calibrate``: a calibration set of other models and another
-  emulated cluster), executed by ``tagps.torch``;
-- **DP all-reduce**: ``torch.nn.parallel.DistributedDataParallel`` over gloo, even shares, every device;
+- **best DP plan**: MCTS restricted to data-parallel plans on the simulator calibrated for this host
+  (``python -m tagps.calibrate``: a calibration set of other models and another emulated cluster);
+- **general plan**: the same search without that restriction, with the shipped GNN prior (what ``tagps
+  plan`` searches), executed by the general-plan executor of ``tagps.torch``;
+- **executor overhead**: the best DP plan with ``kind: general``: the same devices and syncs, run through
+  the general executor instead of the data-parallel path;
+- **DDP best subset**: ``DistributedDataParallel`` with even shares on the subset of machines the calibrated
+  simulator predicts fastest (every subset whose devices split the batch evenly is predicted; only the
+  best is trained);
+- **DP all-reduce**: ``DistributedDataParallel`` over gloo, even shares, every device;
 - **DP proportional**: tagps all-reduce with batch shares proportional to device speed (DP-NCCL-P);
 - **PS**: tagps with every gradient through a summation server, one per machine (BytePS-like);
 - **Horovod** (gloo) when ``horovod.torch`` imports (it is not built here: skipped, said in the JSON);
 
 and records, per run, the median step time of the best of the interleaved rounds (the machine is shared;
-the least disturbed round is the fairest) and the calibrated simulator's prediction for the same plan.
+the least disturbed round is the fairest), the calibrated simulator's prediction for the same plan and the
+``tagps cluster run`` command that trained it. A job that fails is recorded under ``failed_runs`` with its
+command and the end of its output; the figures that need it are null.
 
-JSON figures (targets in ``TARGETS``): ``vgg_plan_vs_dp_allreduce``, ``transformer_plan_vs_dp_allreduce``
-(samples/s ratio, target >= 1.3 for VGG), ``*_plan_vs_dp_proportional``, ``*_plan_vs_ps``, and
-``sim_abs_rel_error_mean`` / ``sim_abs_rel_error_max`` over every run (targets <= 0.10 / <= 0.20), with
-the calibration that ``python -m tagps.calibrate`` writes (fitted on whole jobs too); the same two with the
+JSON figures (targets in ``TARGETS``; ratios of samples/s): ``vgg_general_vs_best_dp`` (target >= 1.3) and
+``transformer_general_vs_best_dp``, with the simulator's ``*_predicted`` ratio beside them and
+``*_general_vs_ddp_best_subset``; ``executor_overhead``, the step time of the general-kind copy of the best
+DP plan over the best DP plan's (the larger of ``vgg_`` and ``transformer_executor_overhead``; target <=
+1.05); ``*_plan_vs_dp_allreduce`` (target >= 1.3 for VGG), ``*_plan_vs_dp_proportional`` and
+``*_plan_vs_ps``, where the plan is the best DP plan (as in earlier results); and ``sim_abs_rel_error_mean``
+/ ``sim_abs_rel_error_max`` over every run, general plans included (targets <= 0.10 / <= 0.20), with the
+calibration that ``python -m tagps.calibrate`` writes (fitted on whole jobs too); the same two with the
 calibration before that last fit (link micro-benchmarks only) are reported as ``*_links_only``.
 """
 
@@ -55,20 +68,34 @@ MODELS = {"vgg": "vgg-mini", "transformer": "transformer-mini"}
 BATCH, GROUPS = 48, 8
 # (figure, target, "min" or "max")
 TARGETS: dict[str, tuple[float, str]] = {
+    "vgg_general_vs_best_dp": (1.3, "min"),
+    "executor_overhead": (1.05, "max"),
     "vgg_plan_vs_dp_allreduce": (1.3, "min"),
     "sim_abs_rel_error_mean": (0.10, "max"),
     "sim_abs_rel_error_max": (0.20, "max"),
 }
-STRATEGIES = ("tagps plan", "DP all-reduce", "DP proportional", "PS")
+# strategy -> the worker's runtime
+STRATEGIES = {
+    "best DP plan": "tagps",
+    "general plan": "tagps",
+    "executor overhead": "tagps",
+    "DDP best subset": "ddp",
+    "DP all-reduce": "ddp",
+    "DP proportional": "tagps",
+    "PS": "tagps",
+}
 
 
 def _machine() -> dict[str, Any]:
     return machine_info(cpu_key="cpu", kernel=platform.release())
 
 
-def _plans(model: str, executor: Any, cal: Any, search_iterations: int) -> dict[str, Any]:
-    """The four plans for ``model`` on the executor's measured topology."""
-    from tagps.cluster.experiment import ddp_plan
+def _plans(
+    model: str, topology: Any, cal: Any, search_iterations: int, prior: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The plans of :data:`STRATEGIES` for ``model`` on the measured ``topology``, and the calibrated
+    prediction of DDP on every device-group subset that splits the batch evenly."""
+    from tagps.cluster.experiment import ddp_plan, ddp_subset_plans
     from tagps.strategy.baselines import byteps_like, data_parallel_plan, proportional_shares
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
@@ -78,31 +105,62 @@ def _plans(model: str, executor: Any, cal: Any, search_iterations: int) -> dict[
 
     graph = model_graph(model)
     grouping = group_ops(graph, GROUPS)
-    measured = Simulator(graph, grouping, executor.topology)
-    calibrated = cal.simulator(graph, grouping, executor.topology)
-    found = search(calibrated, BATCH, SearchConfig(iterations=search_iterations, data_parallel=True, seed=0))
-    if found.plan is None:
-        raise RuntimeError(f"the search found no feasible data-parallel plan for {model}")
+    measured = Simulator(graph, grouping, topology)
+    calibrated = cal.simulator(graph, grouping, topology)
+
+    def searched(data_parallel: bool, prior: Any) -> Any:
+        config = SearchConfig(iterations=search_iterations, data_parallel=data_parallel, seed=0)
+        found = search(calibrated, BATCH, config, model=prior)
+        if found.plan is None:
+            what = "data-parallel plan" if data_parallel else "plan"
+            raise RuntimeError(f"the search found no feasible {what} for {model}")
+        # The calibrated simulator's topology holds calibrated device speeds; jobs run on the measured one.
+        return dataclasses.replace(found.plan, topology=topology)
+
+    best_dp = searched(True, None)
+    subsets = ddp_subset_plans(measured, BATCH)
+    subset_times = [cal.evaluate(calibrated, p) for p in subsets]
     # The runtime overlaps every gradient's sync with backward and does not fuse: model the baselines so.
     overlapped = CommSettings(overlap=True)
     plans = {
-        "tagps plan": dataclasses.replace(found.plan, topology=executor.topology),
+        "best DP plan": best_dp,
+        "general plan": searched(False, prior),
+        "executor overhead": dataclasses.replace(best_dp, kind="general").validate(),
+        "DDP best subset": subsets[subset_times.index(min(subset_times))],
         "DP all-reduce": ddp_plan(measured, BATCH),
         "DP proportional": data_parallel_plan(
             measured, BATCH, proportional_shares(calibrated, BATCH), comm=overlapped
         ),
         "PS": dataclasses.replace(byteps_like(measured, BATCH), comm=overlapped),
     }
-    return plans
+    predictions = [
+        {"devices": p.devices(), "predicted_s": t} for p, t in zip(subsets, subset_times, strict=True)
+    ]
+    return plans, predictions
+
+
+def _layout(plan: Any) -> str:
+    """Op groups as ``option@placement``, runs of equal ones counted: ``ps@m1 x6, allreduce@m0+m2``."""
+    runs: list[list[Any]] = []
+    for g in plan.groups:
+        text = f"{g.option}@{'+'.join(g.placement)}"
+        if runs and runs[-1][0] == text:
+            runs[-1][1] += 1
+        else:
+            runs.append([text, 1])
+    return ", ".join(text if n == 1 else f"{text} x{n}" for text, n in runs)
 
 
 def _describe(plan: Any) -> dict[str, Any]:
     syncs: dict[str, int] = {}
     for g in plan.gradients.values():
         syncs[g.sync] = syncs.get(g.sync, 0) + 1
+    devices = plan.worker_devices()
     return {
-        "devices": plan.devices(),
-        "shares": [plan.batch_shares[d] for d in plan.devices()],
+        "kind": plan.kind,
+        "devices": devices,
+        "shares": [plan.batch_shares.get(d, 0) for d in devices],
+        "layout": _layout(plan),
         "syncs": syncs,
         "ps_servers": list(plan.ps_servers),
     }
@@ -110,7 +168,7 @@ def _describe(plan: Any) -> dict[str, Any]:
 
 def _status(name: str, value: float | None) -> str:
     if value is None:
-        return "skipped"
+        return "n/a"
     if name not in TARGETS:
         return "-"
     target, kind = TARGETS[name]
@@ -118,18 +176,27 @@ def _status(name: str, value: float | None) -> str:
     return "ok" if ok else "MISS"
 
 
-def _table(runs: list[dict[str, Any]], figures: dict[str, float | None], skipped: dict[str, str]) -> str:
+def _table(
+    runs: list[dict[str, Any]],
+    figures: dict[str, float | None],
+    skipped: dict[str, str],
+    failed: list[dict[str, Any]],
+) -> str:
     lines = [
-        f"{'model':<17} {'strategy':<16} {'devices/shares':<28} {'measured ms':>11} {'predicted ms':>12} "
+        f"{'model':<17} {'strategy':<17} {'devices/shares':<28} {'measured ms':>11} {'predicted ms':>12} "
         f"{'error':>7} {'samples/s':>9} {'loss first->last':>17}"
     ]
     for r in runs:
         shares = ",".join(str(s) for s in r["plan"]["shares"])
         lines.append(
-            f"{r['model']:<17} {r['strategy']:<16} {shares:<28} {r['measured_s'] * 1e3:>11.1f} "
+            f"{r['model']:<17} {r['strategy']:<17} {shares:<28} {r['measured_s'] * 1e3:>11.1f} "
             f"{r['predicted_s'] * 1e3:>12.1f} {r['rel_error']:>+7.1%} {r['samples_per_s']:>9.1f} "
             f"{r['loss_first']:>8.3f}->{r['loss_last']:<7.3f}"
         )
+    lines += [f"failed {f['model']} {f['strategy']} (round {f['round']}): see failed_runs" for f in failed]
+    lines.append("")
+    general = [r for r in runs if r["plan"]["kind"] == "general"]
+    lines += [f"{r['model']} {r['strategy']}: {r['plan']['layout']}" for r in general]
     lines.append("")
     lines.append(f"{'figure':<36} {'value':>8} {'target':>8}  status")
     for name, value in figures.items():
@@ -141,90 +208,155 @@ def _table(runs: list[dict[str, Any]], figures: dict[str, float | None], skipped
     return "\n".join(lines)
 
 
+def _figures(runs: list[dict[str, Any]], predicted: dict[tuple[str, str], float]) -> dict[str, float | None]:
+    """The figures from the runs that trained (a ratio is null when one of its runs failed)."""
+    rate = {(r["model"], r["strategy"]): r["samples_per_s"] for r in runs}
+
+    def ratio(model: str, a: str, b: str) -> float | None:
+        return rate[(model, a)] / rate[(model, b)] if (model, a) in rate and (model, b) in rate else None
+
+    figures: dict[str, float | None] = {}
+    for key, model in MODELS.items():
+        figures[f"{key}_general_vs_best_dp"] = ratio(model, "general plan", "best DP plan")
+        figures[f"{key}_general_vs_best_dp_predicted"] = (
+            predicted[(model, "best DP plan")] / predicted[(model, "general plan")]
+        )
+        figures[f"{key}_general_vs_ddp_best_subset"] = ratio(model, "general plan", "DDP best subset")
+        # samples/s of the data-parallel path over the general executor's: its step time over theirs
+        figures[f"{key}_executor_overhead"] = ratio(model, "best DP plan", "executor overhead")
+    overheads = [figures[f"{key}_executor_overhead"] for key in MODELS]
+    figures["executor_overhead"] = None if None in overheads else max(overheads)  # type: ignore[type-var]
+    for key, model in MODELS.items():
+        figures[f"{key}_plan_vs_dp_allreduce"] = ratio(model, "best DP plan", "DP all-reduce")
+        figures[f"{key}_plan_vs_dp_proportional"] = ratio(model, "best DP plan", "DP proportional")
+        figures[f"{key}_plan_vs_ps"] = ratio(model, "best DP plan", "PS")
+        figures[f"{key}_plan_vs_horovod"] = None
+    for suffix, field in (("", "rel_error"), ("_links_only", "rel_error_links_only")):
+        errors = [abs(r[field]) for r in runs]
+        figures[f"sim_abs_rel_error_mean{suffix}"] = sum(errors) / len(errors) if errors else None
+        figures[f"sim_abs_rel_error_max{suffix}"] = max(errors, default=None)
+    return figures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, write the JSON, print the table; return 0 (misses are reported, not errors)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round of 10 steps, quick calibration")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "e2e_cluster.json")
+    parser.add_argument("--cluster", type=Path, help="cluster spec (YAML/JSON); default: the built-in one")
+    parser.add_argument(
+        "--out", type=Path, help="result JSON (default: bench/results/e2e_cluster.json, or with --cluster "
+        "e2e_cluster-<spec name>.json)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     from tagps.calibrate import calibrate_stages
     from tagps.cluster import ClusterError, check_support
     from tagps.cluster.experiment import Executor, run_plan
     from tagps.cluster.run import up
+    from tagps.cluster.spec import load_spec
+    from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
 
     try:
+        spec = load_spec(BENCH_CLUSTER if args.cluster is None else args.cluster)
         check_support()
-    except ClusterError as exc:
-        print(f"bench/e2e_cluster.py needs an emulated cluster: {exc}", file=sys.stderr)
+    except (ValueError, ClusterError) as exc:
+        print(f"bench/e2e_cluster.py: {exc}", file=sys.stderr)
         return 1
+    name = "e2e_cluster.json" if args.cluster is None else f"e2e_cluster-{spec.name}.json"
+    out = args.out or REPO / "bench" / "results" / name
     rounds, steps = (1, 10) if args.quick else (2, 20)
     started, load_before = time.monotonic(), os.getloadavg()
     commands = [f"{sys.executable} -m tagps.calibrate{' --quick' if args.quick else ''}"]
     print("calibrating the simulator on this host ...", flush=True)
     stages = calibrate_stages(quick=args.quick, log=lambda line: print("  " + line, flush=True))
     cal = stages["jobs"]  # what `python -m tagps.calibrate` writes; "links" is reported beside it
+    prior = load_prior(DEFAULT_WEIGHTS)  # the GNN prior `tagps plan` searches with by default
     skipped: dict[str, str] = {}
     if importlib.util.find_spec("horovod") is None:
         skipped["Horovod"] = "horovod is not installed (horovod.torch does not import)"
     else:
         skipped["Horovod"] = "horovod is installed, but this benchmark does not launch horovodrun yet"
-    runs: list[dict[str, Any]] = []
     exit_failures: list[dict[str, Any]] = []  # jobs that failed after rank 0 wrote its result
-    plans_dir = args.out.parent / f"{args.out.stem}-plans"
+    failed: dict[tuple[str, str], dict[str, Any]] = {}  # jobs that failed before it: no measurement
+    plans_dir = out.parent / f"{out.stem}-plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
-    with up(BENCH_CLUSTER) as cluster:
+    spec_file = args.cluster
+    if spec_file is None:  # the commands below name a file: write the built-in spec beside the plans
+        spec_file = plans_dir / "cluster.json"
+        write_json(spec_file, spec.to_dict())
+    with up(spec) as cluster:
         executor = Executor(cluster.topology(), cluster)
         print(executor.topology.describe(), flush=True)
         plans: dict[str, dict[str, Any]] = {}
+        ddp_subsets: dict[str, list[dict[str, Any]]] = {}
+        job_commands: dict[tuple[str, str], str] = {}
         for key, model in MODELS.items():
-            plans[key] = _plans(model, executor, cal, 100 if args.quick else 300)
+            iterations = 100 if args.quick else 300
+            plans[key], ddp_subsets[model] = _plans(model, executor.topology, cal, iterations, prior)
+            for name, runtime in STRATEGIES.items():
+                path = plans_dir / f"{key}-{name.lower().replace(' ', '-')}.json"
+                plans[key][name].save(path)
+                worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan", str(path),
+                          "--runtime", runtime, "--steps", str(steps), "--warmup", "3"]  # fmt: skip
+                job_commands[(key, name)] = f"tagps cluster run {spec_file} -- {shlex.join(worker)}"
+                commands.append(job_commands[(key, name)])
         best: dict[tuple[str, str], dict[str, Any]] = {}
         for rnd in range(rounds):
             for key, model in MODELS.items():
-                for name in STRATEGIES:
-                    plan = plans[key][name]
-                    runtime = "ddp" if name == "DP all-reduce" else "tagps"
-                    result = run_plan(executor, model, plan, runtime, steps=steps, warmup=3)
+                for name, runtime in STRATEGIES.items():
+                    if (key, name) in failed:
+                        continue  # the same job again would fail the same way
+                    try:
+                        result = run_plan(executor, model, plans[key][name], runtime, steps=steps, warmup=3)
+                    except RuntimeError as exc:
+                        failed[(key, name)] = {
+                            "round": rnd,
+                            "model": model,
+                            "strategy": name,
+                            "command": job_commands[(key, name)],
+                            "error": str(exc),
+                        }
+                        print(f"round {rnd}: {model:<17} {name:<17} FAILED: {str(exc).splitlines()[0]}")
+                        continue
                     if result["job_status"] != 0:
                         exit_failures.append(
                             {"round": rnd, "model": model, "strategy": name, "status": result["job_status"],
                              "output_tail": result["job_error"][-1500:]}
                         )  # fmt: skip
                     print(
-                        f"round {rnd}: {model:<17} {name:<16} {result['median_step_s'] * 1e3:8.1f} ms/step",
+                        f"round {rnd}: {model:<17} {name:<17} {result['median_step_s'] * 1e3:8.1f} ms/step",
                         flush=True,
                     )
                     held = best.get((key, name))
                     if held is None or result["median_step_s"] < held["median_step_s"]:
                         best[(key, name)] = result
-                    if rnd == 0:
-                        path = plans_dir / f"{key}-{name.lower().replace(' ', '-')}.json"
-                        plan.save(path)
-                        worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan",
-                                  str(path), "--runtime", runtime, "--steps", str(steps), "--warmup", "3"]
-                        commands.append(f"tagps cluster run bench.yaml -- {shlex.join(worker)}")
+        runs: list[dict[str, Any]] = []
+        predicted: dict[tuple[str, str], float] = {}
         for key, model in MODELS.items():
+            graph = model_graph(model)
+            grouping = group_ops(graph, GROUPS)
             for name in STRATEGIES:
-                result, plan = best[(key, name)], plans[key][name]
-                graph = model_graph(model)
-                grouping = group_ops(graph, GROUPS)
-                predicted, links_predicted = (
+                plan = plans[key][name]
+                predicted[(model, name)], links_predicted = (
                     c.evaluate(c.simulator(graph, grouping, executor.topology), plan)
                     for c in (cal, stages["links"])
                 )
+                if (key, name) not in best:
+                    continue
+                result = best[(key, name)]
                 measured = result["median_step_s"]
                 runs.append(
                     {
                         "model": model,
                         "strategy": name,
                         "runtime": result["runtime"],
+                        "command": job_commands[(key, name)],
                         "plan": _describe(plan),
                         "measured_s": measured,
-                        "predicted_s": predicted,
-                        "rel_error": predicted / measured - 1,
+                        "predicted_s": predicted[(model, name)],
+                        "rel_error": predicted[(model, name)] / measured - 1,
                         "predicted_links_only_s": links_predicted,
                         "rel_error_links_only": links_predicted / measured - 1,
                         "samples_per_s": BATCH / measured,
@@ -236,26 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     }
                 )
         topology = executor.topology.to_dict()
-    rate = {(r["model"], r["strategy"]): r["samples_per_s"] for r in runs}
-    figures: dict[str, float | None] = {}
-    for key, model in MODELS.items():
-        plan_rate = rate[(model, "tagps plan")]
-        figures[f"{key}_plan_vs_dp_allreduce"] = plan_rate / rate[(model, "DP all-reduce")]
-        figures[f"{key}_plan_vs_dp_proportional"] = plan_rate / rate[(model, "DP proportional")]
-        figures[f"{key}_plan_vs_ps"] = plan_rate / rate[(model, "PS")]
-        figures[f"{key}_plan_vs_horovod"] = None
-    errors = [abs(r["rel_error"]) for r in runs]
-    figures["sim_abs_rel_error_mean"] = sum(errors) / len(errors)
-    figures["sim_abs_rel_error_max"] = max(errors)
-    # The same with the calibration before its fit on whole jobs (link micro-benchmarks only).
-    links = [abs(r["rel_error_links_only"]) for r in runs]
-    figures["sim_abs_rel_error_mean_links_only"] = sum(links) / len(links)
-    figures["sim_abs_rel_error_max_links_only"] = max(links)
+    figures = _figures(runs, predicted)
+    failed_runs = list(failed.values())
     result = {
         # Other jobs on the machine skew every figure; the 1-minute load average says how busy it was.
         "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
         "quick": args.quick,
-        "cluster": BENCH_CLUSTER,
+        "cluster": spec.to_dict(),
+        "cluster_file": str(spec_file),
         "topology_measured": topology,
         "calibration": cal.to_dict(),
         "calibration_links_only": stages["links"].to_dict(),
@@ -266,16 +386,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "figures": figures,
         "targets": {k: {"min" if kind == "min" else "max": v} for k, (v, kind) in TARGETS.items()},
         "runs": runs,
+        "ddp_subsets_predicted": ddp_subsets,
+        "failed_runs": failed_runs,
         "exit_failures": exit_failures,
         "skipped": skipped,
         "seconds": time.monotonic() - started,
     }
-    write_json(args.out, result)
-    print(_table(runs, figures, skipped))
+    write_json(out, result)
+    print(_table(runs, figures, skipped, failed_runs))
     for f in exit_failures:
-        print(f"note: round {f['round']} {f['model']} {f['strategy']}: a process failed with status "
-              f"{f['status']} after the measurement (while leaving the job); see exit_failures in the JSON")
-    print(f"wrote {args.out} in {result['seconds']:.0f} s")
+        print(
+            f"note: round {f['round']} {f['model']} {f['strategy']}: a process failed with status "
+            f"{f['status']} after the measurement (while leaving the job); see exit_failures in the JSON"
+        )
+    print(f"wrote {out} in {result['seconds']:.0f} s")
     return 0
 
 
