@@ -4,9 +4,11 @@ Start one copy per device of the plan (``bpslaunch --local`` or :meth:`tagps.clu
 
     python -m tagps.cluster.worker --model vgg-mini --plan plan.json --steps 30 --out result.json
 
-Rank ``r`` is the plan's ``r``-th device and trains on its batch share. ``--runtime tagps`` (default)
-synchronises every gradient as the plan says through ``tagps.torch.DistributedOptimizer``; ``--runtime ddp``
-runs ``torch.nn.parallel.DistributedDataParallel`` over gloo (the all-reduce baseline; even shares only).
+Rank ``r`` is the plan's ``r``-th worker device (``Plan.worker_devices()``). ``--runtime tagps`` (default)
+runs a data-parallel plan through ``tagps.torch.DistributedOptimizer`` (each rank trains on its batch share,
+every gradient synchronised as the plan says) and a general plan through ``tagps.torch.distribute`` (op
+groups on their own devices, activations crossing between them); ``--runtime ddp`` runs
+``torch.nn.parallel.DistributedDataParallel`` over gloo (the all-reduce baseline; even shares only).
 Inputs and targets are one fixed synthetic global batch cut by the plan's shares (the same samples for every
 strategy), so the loss falls as the model memorises it and the losses of different plans compare. Rank 0
 writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", ...}`` to ``--out``; the timed steps
@@ -23,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -32,7 +35,7 @@ _OPTIMIZERS = {"sgd": (0.05, 0.0), "momentum": (0.05, 0.9)}
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tagps.cluster.worker", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="registry model (tagps.models.MODELS)")
-    p.add_argument("--plan", required=True, help="data-parallel plan file: batch shares, sync methods")
+    p.add_argument("--plan", required=True, help="plan file (tagps plan): any kind with --runtime tagps")
     p.add_argument("--runtime", choices=("tagps", "ddp"), default="tagps")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
@@ -50,34 +53,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.nn.functional as F
 
     import tagps.torch as bps
-    from tagps.models import build_model, example_inputs
     from tagps.strategy.plan import load
 
     plan = load(args.plan)
-    devices = plan.devices()
+    devices = plan.worker_devices()
     torch.set_num_threads(1)
     bps.init()
     rank, size = bps.rank(), bps.size()
     if size != len(devices):
-        raise SystemExit(f"the plan has {len(devices)} devices with a batch share, the job {size} workers")
+        raise SystemExit(f"the plan runs on {len(devices)} devices, the job has {size} workers")
+    if plan.kind == "general" and args.runtime == "tagps":
+        return _train_general(args, plan)
     local_batch = plan.batch_shares[devices[rank]]
-    torch.manual_seed(0)
-    model = build_model(args.model)
     # One global synthetic batch, cut by the plan's shares: every strategy trains on the same samples,
     # so the losses of different plans (and of DDP) are comparable step by step.
-    torch.manual_seed(1000)
-    global_inputs = example_inputs(args.model, plan.batch_size)
-    with torch.no_grad():
-        out = model(*global_inputs)
-    global_targets = torch.randint(0, out.shape[-1], out.shape[:-1])
+    model, global_inputs, global_targets = _setup(args, plan.batch_size)
     start = sum(plan.batch_shares[d] for d in devices[:rank])
     inputs = tuple(x[start : start + local_batch] for x in global_inputs)
     targets = global_targets[start : start + local_batch]
-    if plan.optimizer == "adam":
-        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    else:
-        lr, momentum = _OPTIMIZERS[plan.optimizer]
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    optimizer = _optimizer(plan.optimizer, model.parameters())
     if args.runtime == "ddp":
         if len(set(plan.batch_shares[d] for d in devices)) != 1:
             raise SystemExit("--runtime ddp averages gradients evenly: give it a plan with even shares")
@@ -101,28 +95,95 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.all_gather_object(gathered, [local_batch * x for x in losses])
     global_losses = [sum(g[i] for g in gathered if g) / plan.batch_size for i in range(len(losses))]
     if rank == 0 and args.out:
-        mean = statistics.mean(times)
-        result = {
-            "model": args.model,
-            "runtime": args.runtime,
-            "devices": devices,
-            "batch_size": plan.batch_size,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "step_times_s": times,
-            "mean_step_s": mean,
-            "median_step_s": statistics.median(times),
-            "samples_per_s": plan.batch_size / mean,
-            "losses": global_losses,
-        }
-        partial = Path(f"{args.out}.partial")
-        partial.write_text(json.dumps(result, indent=1))
-        partial.replace(args.out)  # whole or absent, whatever happens to the job afterwards
+        _write_result(args, plan, devices, times, global_losses)
     # DDP's reducer must go before the process group it uses (else its destructor can abort the process).
     del optimizer, model
     dist.barrier()
     bps.shutdown()
     return 0
+
+
+def _setup(args: argparse.Namespace, batch: int) -> tuple[Any, tuple[Any, ...], Any]:
+    """The model (seed 0) and one fixed synthetic global batch (seed 1000), the same for every strategy."""
+    import torch
+
+    from tagps.models import build_model, example_inputs
+
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    torch.manual_seed(1000)
+    global_inputs = example_inputs(args.model, batch)
+    with torch.no_grad():
+        out = model(*global_inputs)
+    return model, global_inputs, torch.randint(0, out.shape[-1], out.shape[:-1])
+
+
+def _train_general(args: argparse.Namespace, plan: Any) -> int:
+    """Train a general plan with ``tagps.torch.distribute``: each rank runs its stages on its rows."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import tagps.torch as bps
+
+    model, global_inputs, global_targets = _setup(args, plan.batch_size)
+
+    def loss_fn(out: Any, y: Any) -> Any:
+        return F.cross_entropy(out.flatten(0, -2), y.flatten())
+
+    dmodel = bps.distribute(model, plan, loss_fn)
+    optimizer = _optimizer(plan.optimizer, dmodel.parameters())
+    inputs, targets = dmodel.shard(global_inputs, global_targets)
+    losses: list[float] = []
+    times: list[float] = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = dmodel.train_step(inputs, targets)
+        optimizer.step()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    # Each rank's loss is its share of the global mean: the global loss is their sum.
+    gathered: list[list[float] | None] = [None] * bps.size()
+    dist.all_gather_object(gathered, losses)
+    global_losses = [sum(g[i] for g in gathered if g) for i in range(len(losses))]
+    if bps.rank() == 0 and args.out:
+        _write_result(args, plan, plan.worker_devices(), times, global_losses)
+    del optimizer, dmodel
+    bps.shutdown()
+    return 0
+
+
+def _optimizer(name: str, params: Any) -> Any:
+    import torch
+
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    lr, momentum = _OPTIMIZERS[name]
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def _write_result(
+    args: argparse.Namespace, plan: Any, devices: list[str], times: list[float], losses: list[float]
+) -> None:
+    mean = statistics.mean(times)
+    result = {
+        "model": args.model,
+        "runtime": args.runtime,
+        "kind": plan.kind,
+        "devices": devices,
+        "batch_size": plan.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "step_times_s": times,
+        "mean_step_s": mean,
+        "median_step_s": statistics.median(times),
+        "samples_per_s": plan.batch_size / mean,
+        "losses": losses,
+    }
+    partial = Path(f"{args.out}.partial")
+    partial.write_text(json.dumps(result, indent=1))
+    partial.replace(args.out)  # whole or absent, whatever happens to the job afterwards
 
 
 if __name__ == "__main__":
