@@ -8,6 +8,7 @@ process group, ranked machine-major as BytePS ranks them. The rendezvous is a ``
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable
 
 import torch
@@ -17,15 +18,22 @@ from tagps.comm.handle import CompletedWork, Waitable
 from tagps.config import CommConfig, ConfigError
 
 __all__ = [
+    "all_gather_rows_async",
     "all_gather_varlen",
     "all_gather_varlen_async",
     "all_reduce_async",
+    "all_to_all_rows_async",
     "backend_for",
     "init_process_group",
     "shutdown_process_group",
 ]
 
 _owned = False
+# Index of a dtype in the metadata that collectives exchange before moving data.
+_DTYPE_CODES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+)  # fmt: skip
 
 
 def backend_for(cfg: CommConfig) -> str:
@@ -83,34 +91,54 @@ def shutdown_process_group() -> None:
     _owned = False
 
 
-def all_reduce_async(tensor: torch.Tensor, group: object | None = None) -> Waitable:
-    """Start summing ``tensor`` in place over ``group`` (the whole world when ``None``)."""
+def all_reduce_async(
+    tensor: torch.Tensor, group: object | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> Waitable:
+    """Start reducing ``tensor`` in place with ``op`` (default: a sum) over ``group`` (``None``: everyone)."""
     if dist.get_world_size(group) == 1:
         return CompletedWork()
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     assert work is not None
     return work
 
 
-def all_gather_varlen_async(
+def all_gather_rows_async(
     tensor: torch.Tensor, group: object | None = None
-) -> tuple[Waitable, Callable[[], torch.Tensor]]:
+) -> tuple[Waitable, Callable[[], torch.Tensor], list[int]]:
     """Start concatenating along dim 0 the ``tensor`` of every rank; first dimensions may differ.
 
-    The row counts travel first (one small blocking all-gather), then the rows, padded to the longest, in
-    an asynchronous all-gather.
+    The row counts travel first, with each rank's dtype and row shape (one small blocking all-gather), so
+    that a mismatch raises on every rank instead of corrupting or aborting the transfer; then the rows,
+    padded to the longest, in an asynchronous all-gather.
 
     Returns:
-        The work to wait for, and a function that, after it completed, returns the rows of rank 0, then
-        rank 1, and so on.
+        The work to wait for; a function that, after it completed, returns the rows of rank 0, then rank 1,
+        and so on; and the row count of every rank.
+
+    Raises:
+        ValueError: ranks disagree on dtype or on the shape of a row (on every rank).
     """
     world = dist.get_world_size(group)
     if world == 1:
-        return CompletedWork(), lambda: tensor
-    rows = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
-    all_rows = [torch.empty_like(rows) for _ in range(world)]
-    dist.all_gather(all_rows, rows, group=group)
-    counts = [int(r.item()) for r in all_rows]
+        return CompletedWork(), lambda: tensor, [tensor.shape[0]]
+    # A row shape of up to 8 dims and the dtype travel with the count; -1 pads the unused dims.
+    row_shape = list(tensor.shape[1:])
+    if len(row_shape) > 8:
+        raise ValueError(f"all-gather supports tensors of up to 9 dimensions, got {tensor.dim()}")
+    meta = [tensor.shape[0], _DTYPE_CODES.index(tensor.dtype), len(row_shape), *row_shape]
+    mine = torch.tensor(meta + [-1] * (11 - len(meta)), dtype=torch.int64, device=tensor.device)
+    metas = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(metas, mine, group=group)
+    everyone = [m.tolist() for m in metas]
+    differing = [r for r, m in enumerate(everyone) if m[1:] != mine.tolist()[1:]]
+    if differing:
+        theirs = everyone[differing[0]]
+        raise ValueError(
+            f"all-gather mismatch: this rank has dtype {tensor.dtype} and rows of shape {tuple(row_shape)}, "
+            f"group rank {differing[0]} has dtype {_DTYPE_CODES[theirs[1]]} and rows of shape "
+            f"{tuple(theirs[3 : 3 + theirs[2]])}; all ranks must agree except on the first dimension"
+        )
+    counts = [m[0] for m in everyone]
     longest = max(counts)
     padded = tensor.contiguous()
     if tensor.shape[0] < longest:
@@ -118,7 +146,15 @@ def all_gather_varlen_async(
     parts = [torch.empty_like(padded) for _ in range(world)]
     work = dist.all_gather(parts, padded, group=group, async_op=True)
     assert work is not None
-    return work, lambda: torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+    return work, lambda: torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]), counts
+
+
+def all_gather_varlen_async(
+    tensor: torch.Tensor, group: object | None = None
+) -> tuple[Waitable, Callable[[], torch.Tensor]]:
+    """Like :func:`all_gather_rows_async`, without the row counts."""
+    work, result, _ = all_gather_rows_async(tensor, group)
+    return work, result
 
 
 def all_gather_varlen(tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
@@ -126,3 +162,46 @@ def all_gather_varlen(tensor: torch.Tensor, group: object | None = None) -> torc
     work, result = all_gather_varlen_async(tensor, group)
     work.wait()
     return result()
+
+
+def all_to_all_rows_async(
+    tensor: torch.Tensor, splits: list[int], group: object | None = None
+) -> tuple[Waitable, torch.Tensor, list[int]]:
+    """Start sending ``splits[j]`` consecutive rows (dim 0) of ``tensor`` to group rank ``j``, for all ``j``.
+
+    The counts travel first, with each rank's dtype and row size (one small blocking all-to-all), so that a
+    mismatch raises on every rank instead of corrupting or aborting the transfer.
+
+    Args:
+        tensor: contiguous; its rows are sent in order, the first ``splits[0]`` to group rank 0.
+        splits: rows per destination, one entry per group rank, summing to ``tensor.shape[0]``.
+        group: the group (``None``: every worker).
+
+    Returns:
+        The work to wait for, the output tensor it fills (rows from group rank 0 first) and the row count
+        received from every group rank.
+
+    Raises:
+        ValueError: ranks disagree on dtype or on the size of a row (on every rank).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return CompletedWork(), tensor.clone(), list(splits)
+    row = math.prod(tensor.shape[1:])
+    mine = [_DTYPE_CODES.index(tensor.dtype), row]
+    send = torch.tensor([[s, *mine] for s in splits], dtype=torch.int64, device=tensor.device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    theirs = recv.tolist()
+    differing = [j for j, m in enumerate(theirs) if m[1:] != mine]
+    if differing:
+        dtype, size = theirs[differing[0]][1:]
+        raise ValueError(
+            f"all-to-all mismatch: this rank has dtype {tensor.dtype} and rows of {row} elements, group rank "
+            f"{differing[0]} has dtype {_DTYPE_CODES[dtype]} and rows of {size} elements"
+        )
+    counts = [m[0] for m in theirs]
+    out = tensor.new_empty((sum(counts), *tensor.shape[1:]))
+    work = dist.all_to_all_single(out, tensor, counts, list(splits), group=group, async_op=True)
+    assert work is not None
+    return work, out, counts

@@ -10,42 +10,95 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tagps.comm import collectives
 from tagps.comm.handle import Handle
-from tagps.torch import ops
+from tagps.torch import elastic, ops, process_sets
+from tagps.torch.collective_ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reduce_spec,
+    reducescatter,
+    reducescatter_async,
+    start_allreduce,
+)
 from tagps.torch.compression import Compression, Compressor
-from tagps.torch.executor import DistributedModel, distribute
 from tagps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, ReduceOp, Sum
+from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum
+from tagps.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
     "Adasum",
     "Average",
     "Compression",
-    "DistributedModel",
     "DistributedOptimizer",
     "Handle",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
     "ReduceOp",
     "Sum",
+    "add_process_set",
     "allgather",
+    "allgather_async",
     "allgather_object",
     "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
-    "distribute",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "global_process_set",
     "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
+    "is_homogeneous",
     "is_initialized",
     "local_rank",
     "local_size",
     "mpi_built",
+    "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
     "poll",
@@ -54,19 +107,38 @@ __all__ = [
     "push_pull_async_inplace",
     "push_pull_inplace",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
     "synchronize",
 ]
 
 
-def init() -> None:
-    """Join the job described by the ``DMLC_*``/``BYTEPS_*`` variables (a job of one without them)."""
+class HorovodInternalError(RuntimeError):
+    """A collective failed (a peer died, a transfer broke); raised by :func:`synchronize`, as in Horovod."""
+
+
+def init(comm: object = None, process_sets: list[ProcessSet] | None = None) -> None:
+    """Join the job described by the ``DMLC_*``/``BYTEPS_*`` variables (a job of one without them).
+
+    Args:
+        comm: Horovod's MPI communicator or rank list; tagps takes its job from ``bpslaunch``, so only
+            ``None`` is accepted.
+        process_sets: :class:`ProcessSet` objects to register at once (the same list on every worker).
+    """
+    if comm is not None:
+        raise ValueError("init(comm=...) is not supported: tagps takes the job's ranks from bpslaunch")
     ops.init()
+    for ps in process_sets or []:
+        add_process_set(ps)
 
 
 def shutdown() -> None:
     """Finish outstanding operations and leave the job."""
+    process_sets.reset()
     ops.shutdown()
 
 
@@ -95,6 +167,22 @@ def local_rank() -> int:
     return ops.state().cfg.local_rank
 
 
+def cross_size() -> int:
+    """Return the number of machines (Horovod: the processes with this local rank)."""
+    return ops.state().cfg.num_worker
+
+
+def cross_rank() -> int:
+    """Return this machine's index (Horovod: the rank among the processes with this local rank)."""
+    return ops.state().cfg.worker_id
+
+
+def is_homogeneous() -> bool:
+    """Return ``True``: every machine runs ``BYTEPS_LOCAL_SIZE`` processes."""
+    ops.state()
+    return True
+
+
 def _start(
     tensor: torch.Tensor,
     average: bool,
@@ -103,23 +191,11 @@ def _start(
     compression: type[Compressor],
     inplace: bool,
 ) -> Handle:
-    st = ops.state()
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if average and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"average=True needs a floating-point tensor, got {tensor.dtype}; pass average=False")
-    if inplace and not tensor.is_contiguous():
-        raise ValueError("in-place push_pull needs a contiguous tensor")
-    target = tensor if inplace else tensor.detach().clone(memory_format=torch.contiguous_format)
-    handle = ops.start_sum(
-        target,
-        method=ops.default_method(st.cfg),
-        name=name if name is not None else f"push_pull.noname.{next(st.names)}",
-        priority=priority,
-        compression=compression,
-        postscale=1.0 / st.cfg.size if average else 1.0,
+    spec = reduce_spec(None, Average if average else Sum, 1.0, 1.0, global_process_set, compression, priority)
+    handle = start_allreduce(
+        tensor, spec, name if name is not None else f"push_pull.noname.{next(ops.state().names)}", inplace
     )
-    st.handles.add(handle)
+    ops.state().handles.add(handle)
     return handle
 
 
@@ -134,10 +210,13 @@ def push_pull_async(
 
     Args:
         tensor: the local value; left unchanged.
-        average: divide the sum by :func:`size` (default ``True``).
+        average: divide the sum by :func:`size` (default ``True``; integers are truncated toward zero).
         name: key of the tensor (the same on every worker; default: by call order).
         priority: PS scheduling priority, higher first (default 0).
         compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
+
+    Returns:
+        The handle; ``synchronize(handle)`` returns the result.
     """
     return _start(tensor, average, name, priority, compression, inplace=False)
 
@@ -189,88 +268,24 @@ def poll(handle: Handle) -> bool:
 
 
 def synchronize(handle: Handle) -> torch.Tensor:
-    """Wait for ``handle``'s operation and return its result; the handle is forgotten afterwards."""
+    """Wait for ``handle``'s operation and return its result; the handle is forgotten afterwards.
+
+    Returns:
+        The result: a tensor; a list for the grouped operations; ``(tensor, received splits)`` for
+        ``alltoall_async``.
+
+    Raises:
+        HorovodInternalError: the operation failed in the communication layer.
+    """
     handles = _known(handle)
     try:
         return handle.wait()
+    except HorovodInternalError:
+        raise
+    except RuntimeError as exc:  # torch.distributed and the PS service report failed transfers so
+        raise HorovodInternalError(str(exc)) from exc
     finally:
         handles.discard(handle)
-
-
-def _average_flag(average: bool | None, op: ReduceOp | None) -> bool:
-    if average is not None and op is not None:
-        raise ValueError("pass either average or op, not both")
-    if op is not None:
-        if op not in (Average, Sum):
-            raise ValueError(f"op must be Average or Sum, got {op!r} (tagps has no Adasum)")
-        return op is Average
-    return True if average is None else bool(average)
-
-
-def allreduce_async(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: type[Compressor] = Compression.none,
-    op: ReduceOp | None = None,
-) -> Handle:
-    """Horovod's name for :func:`push_pull_async` (``op=Sum`` or ``average=False`` for a sum)."""
-    return push_pull_async(tensor, _average_flag(average, op), name, 0, compression)
-
-
-def allreduce_async_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: type[Compressor] = Compression.none,
-    op: ReduceOp | None = None,
-) -> Handle:
-    """Horovod's name for :func:`push_pull_async_inplace`."""
-    return push_pull_async_inplace(tensor, _average_flag(average, op), name, 0, compression)
-
-
-def allreduce(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: type[Compressor] = Compression.none,
-    op: ReduceOp | None = None,
-) -> torch.Tensor:
-    """Horovod's name for :func:`push_pull`."""
-    return synchronize(allreduce_async(tensor, average, name, compression, op))
-
-
-def allreduce_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: type[Compressor] = Compression.none,
-    op: ReduceOp | None = None,
-) -> torch.Tensor:
-    """Horovod's name for :func:`push_pull_inplace`."""
-    return synchronize(allreduce_async_(tensor, average, name, compression, op))
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Return the concatenation along dim 0 of every worker's ``tensor`` (first dimensions may differ)."""
-    ops.state()
-    if tensor.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension")
-    return collectives.all_gather_varlen(tensor.detach())
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Overwrite ``tensor`` with its value on ``root_rank`` and return it."""
-    if not 0 <= root_rank < size():
-        raise ValueError(f"root_rank must be a rank in [0, {size()}), got {root_rank!r}")
-    if size() > 1:
-        dist.broadcast(tensor.detach(), src=root_rank)
-    return tensor
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` (a new tensor; the argument is unchanged)."""
-    return broadcast_(tensor.detach().clone(), root_rank, name)
 
 
 def allgather_object(obj: object, name: str | None = None) -> list[object]:
@@ -288,6 +303,12 @@ def gloo_built() -> bool:
     return dist.is_gloo_available()
 
 
+def gloo_enabled() -> bool:
+    """Return whether this job's collectives run over gloo."""
+    ops.state()
+    return dist.get_backend() == "gloo"
+
+
 def nccl_built() -> bool:
     """Return whether collectives can run over NCCL (Horovod's capability query)."""
     return dist.is_nccl_available()
@@ -298,13 +319,31 @@ def mpi_built() -> bool:
     return False
 
 
+def mpi_enabled() -> bool:
+    """Return ``False``: tagps does not use MPI."""
+    return False
+
+
 def mpi_threads_supported() -> bool:
     """Return ``False``: tagps does not use MPI (Horovod's capability query)."""
     return False
 
 
-def barrier() -> None:
-    """Block until every worker reached this call."""
-    ops.state()
-    if size() > 1:
-        dist.barrier()
+def ccl_built() -> bool:
+    """Return ``False``: tagps has no oneCCL backend (Horovod's answer without it)."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Return ``False``: tagps has no IBM DDL backend (Horovod's answer without it)."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Return whether the installed torch was built with CUDA (tagps then runs NCCL collectives)."""
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    """Return whether the installed torch was built for ROCm."""
+    return torch.version.hip is not None

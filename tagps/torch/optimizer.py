@@ -30,25 +30,33 @@ from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.torch import ops
 from tagps.torch.compression import Compressor, NoneCompressor
+from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 from tagps.torch.strategy import resolve_strategy
 
 if TYPE_CHECKING:
     from tagps.strategy.plan import Plan
 
-__all__ = ["Adasum", "Average", "DistributedOptimizer", "ReduceOp", "Sum"]
+__all__ = ["Adasum", "Average", "DistributedOptimizer", "Max", "Min", "Product", "ReduceOp", "Sum"]
 
 
 class ReduceOp(enum.Enum):
-    """How the workers' gradients are combined (``ADASUM`` exists for Horovod scripts and is refused)."""
+    """How the workers' values are combined; gradients take ``AVERAGE`` or ``SUM``, collectives any but
+    ``ADASUM``, which exists for Horovod scripts and is refused."""
 
     AVERAGE = "average"
     SUM = "sum"
     ADASUM = "adasum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
 
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -61,6 +69,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compression: type[Compressor],
         backward_passes_per_step: int,
         op: ReduceOp,
+        gradient_predivide_factor: float,
+        groups: object,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
         strategy: object,
         batch_share: float | None,
     ) -> None:
@@ -77,10 +89,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"op must be Average or Sum, got {op!r} (tagps has no Adasum)")
         if not (isinstance(compression, type) and issubclass(compression, Compressor)):
             raise TypeError(f"compression must be one of Compression.none/fp16/bf16, got {compression!r}")
+        if not gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        self._group = group_of(process_set)  # raises for a set that is unknown or excludes this rank
+        set_size, set_rank = process_set.size(), process_set.rank()
+        assert set_size is not None and set_rank is not None
         self._opt = optimizer
         self._compression = compression
         self._bpps = backward_passes_per_step
         self._params = _optimizer_params(optimizer)
+        _check_groups(groups, self._params)
+        self._sparse_as_dense = bool(sparse_as_dense)
         if (
             named_parameters is None
             and strategy is not None
@@ -93,16 +114,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plan_doc = _plan_of(strategy)
         if plan_doc is not None:
             _check_sfb_ops(plan_doc, list(self._names.values()))
+        # The summation servers and SFB serve every worker: a process set's gradients are all-reduced.
+        default = ops.default_method(st.cfg) if self._group is None else "allreduce"
         plan = resolve_strategy(
-            plan_doc if plan_doc is not None else strategy,
-            list(self._names.values()),
-            ops.default_method(st.cfg),
+            plan_doc if plan_doc is not None else strategy, list(self._names.values()), default
         )
         # A plan fixes fusion and overlap (the simulator costed them); otherwise TAGPS_FUSION_BYTES decides.
         fusion_bytes = plan_doc.comm.fusion_bytes if plan_doc is not None else st.cfg.fusion_bytes
         self._overlap = plan_doc.comm.overlap if plan_doc is not None else True
         self._method = {p: plan.methods[self._names[p]] for p in self._params}
-        self._weight = _batch_weight(plan.batch_shares, batch_share, op, st.cfg.size, st.cfg.rank)
+        if self._group is not None:
+            other = sorted({m for m in self._method.values()} - {"allreduce", "none"})
+            if other:
+                raise ValueError(
+                    f"with a process_set, gradients are all-reduced within the set; the strategy asks for "
+                    f"{other}, which serve every worker"
+                )
+        self._weight = _batch_weight(plan.batch_shares, batch_share, op, set_size, set_rank, self._group)
+        # Horovod's gradient_predivide_factor f splits the average into a prescale w_r n / f and a
+        # postscale f / n (n: the set's size), so that large sums do not overflow in low precision.
+        if gradient_predivide_factor == 1.0:
+            self._prescale, self._postscale = self._weight, 1.0
+        else:
+            self._prescale = self._weight * set_size / gradient_predivide_factor
+            self._postscale = gradient_predivide_factor / set_size
         sfb_weights = {p: self._names[p] for p, m in self._method.items() if m == "sfb" and p.dim() != 1}
         # A Linear bias marked sfb is the all-reduced half of SFB.
         for p, m in self._method.items():
@@ -217,6 +252,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sync_in_step = True
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is not None and p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise ValueError(
+                    f"gradient of {self._names[p]!r} is sparse (e.g. nn.Embedding(sparse=True)); tagps "
+                    "synchronises dense gradients only: pass sparse_as_dense=True"
+                )
+            p.grad = p.grad.to_dense()
         passes = self._passes.get(p, 0) + 1
         if passes > self._bpps or p in self._handles:
             raise RuntimeError(
@@ -254,7 +296,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._flat[index] = flat
         offset = 0
         for g in grads:  # the batch weight is applied on the way in: one pass over the gradients
-            torch.mul(g.reshape(-1), self._weight, out=flat[offset : offset + g.numel()])
+            torch.mul(g.reshape(-1), self._prescale, out=flat[offset : offset + g.numel()])
             offset += g.numel()
         inner = ops.start_sum(
             flat,
@@ -262,6 +304,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             name=self._unit_key(unit),
             priority=max(self._priority[p] for p in unit),
             compression=self._compression,
+            postscale=self._postscale,
+            group=self._group,
         )
 
         def finish() -> torch.Tensor:
@@ -287,7 +331,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             name=self._keys[p],
             priority=self._priority[p],
             compression=self._compression,
-            prescale=self._weight,
+            prescale=self._prescale,
+            postscale=self._postscale,
+            group=self._group,
         )
 
 
@@ -346,6 +392,29 @@ def _check_sfb_ops(plan: Plan, names: list[str]) -> None:
                 f"duplicates only the nn.Linear that owns it (op {owner!r}) and cannot duplicate {others}; "
                 f"make the plan with sfb_ops [] or [{owner!r}] for it, or sync it with allreduce or ps"
             )
+
+
+def _check_groups(groups: object, params: list[nn.Parameter]) -> None:
+    """Check Horovod's ``groups``: ``None``, a count, or lists of the optimizer's parameters.
+
+    Horovod launches each group as one grouped allreduce; tagps fuses by its own buckets instead, which
+    gives the same gradients, so the grouping is validated and otherwise a hint.
+    """
+    if groups is None or (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 0):
+        return
+    if not (isinstance(groups, list) and all(isinstance(g, list | tuple) for g in groups)):
+        raise ValueError(
+            f"groups must be a non-negative int or a list of lists of parameters, got {groups!r}"
+        )
+    known = {id(p) for p in params}
+    seen: set[int] = set()
+    for g in groups:
+        for p in g:
+            if id(p) not in known:
+                raise ValueError("groups holds a tensor that is not a trainable parameter of the optimizer")
+            if id(p) in seen:
+                raise ValueError("groups holds a parameter twice")
+            seen.add(id(p))
 
 
 def _numel(unit: list[nn.Parameter]) -> int:
@@ -414,9 +483,17 @@ def _names(
 
 
 def _batch_weight(
-    plan_shares: tuple[float, ...] | None, batch_share: float | None, op: ReduceOp, size: int, rank: int
+    plan_shares: tuple[float, ...] | None,
+    batch_share: float | None,
+    op: ReduceOp,
+    size: int,
+    rank: int,
+    group: Any = None,
 ) -> float:
-    """Return this worker's factor: its share of the global batch for an average, 1 for a sum."""
+    """Return this worker's factor: its share of the global batch for an average, 1 for a sum.
+
+    ``size`` and ``rank`` are within ``group`` (the ``torch.distributed`` group that sums; ``None``: all).
+    """
     if plan_shares is not None and len(plan_shares) != size:
         raise ValueError(
             f"the strategy has batch shares for {len(plan_shares)} devices but the job has {size} "
@@ -430,7 +507,7 @@ def _batch_weight(
         if not batch_share > 0:
             raise ValueError(f"batch_share must be positive, got {batch_share!r}")
         gathered: list[Any] = [None] * size
-        dist.all_gather_object(gathered, float(batch_share))
+        dist.all_gather_object(gathered, float(batch_share), group=group)
         shares = tuple(float(s) for s in gathered)
     elif plan_shares is not None:
         shares = plan_shares
@@ -445,6 +522,12 @@ def DistributedOptimizer(
     compression: type[Compressor] = NoneCompressor,
     backward_passes_per_step: int = 1,
     op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: object = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+    *,
     strategy: object = None,
     batch_share: float | None = None,
 ) -> torch.optim.Optimizer:
@@ -465,6 +548,16 @@ def DistributedOptimizer(
         compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``, applied to what travels.
         backward_passes_per_step: backward passes accumulated locally per step (default 1).
         op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: Horovod's split of the average: gradients are multiplied by ``1/f``
+            before the sum and by ``f/size`` after it (default 1: the average in one factor). ``Average``
+            only.
+        num_groups: Horovod's deprecated spelling of an integer ``groups``.
+        groups: Horovod's grouping of gradient allreduces, ``None``, a count or lists of parameters;
+            checked, then a hint: tagps fuses gradients into its own buckets, with the same result.
+        sparse_as_dense: turn sparse gradients dense before synchronising them (without it, a sparse
+            gradient raises: tagps has no sparse allreduce).
+        process_set: synchronise among the ranks of this :class:`~tagps.torch.ProcessSet` only (default:
+            every worker); the methods are then ``allreduce`` and ``none``.
         strategy: ``None`` (``ps`` when summation servers exist, else ``allreduce``), a dict
             ``{param_name: method, "default": method}`` with methods ``allreduce``, ``ps``, ``sfb``,
             ``none``, or a plan (object or path, see ``tagps.strategy.plan``) with its batch shares;
@@ -482,5 +575,15 @@ def DistributedOptimizer(
             training step.
     """
     return _DistributedOptimizer(
-        optimizer, named_parameters, compression, backward_passes_per_step, op, strategy, batch_share
+        optimizer,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups if groups is not None or not num_groups else num_groups,
+        sparse_as_dense,
+        process_set,
+        strategy,
+        batch_share,
     )
