@@ -40,6 +40,7 @@ from tagps.torch.collective_ops import (
     start_allreduce,
 )
 from tagps.torch.compression import Compression, Compressor
+from tagps.torch.executor import DistributedModel, distribute
 from tagps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum
 from tagps.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
@@ -48,6 +49,7 @@ __all__ = [
     "Adasum",
     "Average",
     "Compression",
+    "DistributedModel",
     "DistributedOptimizer",
     "Handle",
     "HorovodInternalError",
@@ -80,6 +82,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "distribute",
     "elastic",
     "global_process_set",
     "gloo_built",
