@@ -27,11 +27,23 @@ __all__ = [
     "dp_nccl_p",
     "even_shares",
     "horovod_like",
+    "op_group_plan",
     "proportional_shares",
     "random_plan",
 ]
 
 HOROVOD_FUSION_BYTES = 64 << 20
+
+
+def op_group_plan(sim: Simulator, index: int, placement: tuple[str, ...], option: str) -> OpGroupPlan:
+    """Op group ``index`` of ``sim``'s grouping on ``placement`` with ``option``.
+
+    An ``mp`` group carries the split the simulator costs (:meth:`Simulator.mp_assignment`), which the
+    runtime executes.
+    """
+    ops = sim.graph.ops
+    parts = sim.mp_assignment(index, placement) if option == "mp" else ()
+    return OpGroupPlan(tuple(ops[k].name for k in sim.groups[index].ops), placement, option, parts)
 
 
 def even_shares(sim: Simulator, batch: int) -> dict[str, int]:
@@ -99,8 +111,7 @@ def data_parallel_plan(
         optimizer: ``sgd``, ``momentum`` or ``adam``.
     """
     used = tuple(g.name for g in sim.dgroups if any(shares.get(d, 0) for d in g.devices()))
-    ops = sim.graph.ops
-    groups = tuple(OpGroupPlan(tuple(ops[i].name for i in g.ops), used, option) for g in sim.groups)
+    groups = tuple(op_group_plan(sim, i, used, option) for i in range(len(sim.groups)))
     gradients = {name: GradientSync(i, option) for i, g in enumerate(sim.groups) for name in g.param_names}
     plan = Plan(
         sim.topology,
@@ -189,8 +200,7 @@ def random_plan(
     names = [g.name for g in sim.dgroups]
     shares = even_shares(sim, batch)
     funded = [g.name for g in sim.dgroups if any(shares[d] for d in g.devices())]
-    ops = sim.graph.ops
-    groups = []
+    groups: list[OpGroupPlan] = []
     gradients: dict[str, GradientSync] = {}
     for i, g in enumerate(sim.groups):
         if decided is not None and i >= max(decided, 1):
@@ -201,7 +211,7 @@ def random_plan(
             if option in ("allreduce", "ps") and not chosen & set(funded):
                 chosen.add(funded[0])  # a replicated group needs a device with a batch share
             placement = tuple(n for n in names if n in chosen)
-        groups.append(OpGroupPlan(tuple(ops[k].name for k in g.ops), placement, option))
+        groups.append(op_group_plan(sim, i, placement, option))
         for name in g.param_names:
             sync = SYNC_ALLOWED[option][0]
             if option in ("allreduce", "ps") and rng.random() < sfb_fraction:

@@ -5,8 +5,9 @@ first) plus the simulator's result for it. Node and edge features (all scaled to
 
 - op-group node: compute time on the fastest device type at the full batch, parameter and activation
   bytes, its position in the search order, whether it is decided and whether it is the one being decided,
-  its current option (one-hot allreduce/ps/mp), the share of device groups it uses, and the simulator's
-  feedback: when its backward finishes and how much of the iteration is left after it;
+  its current option (one-hot allreduce/ps/mp; duplicate in mp's slot), the share of device groups it
+  uses, and the simulator's feedback: when its backward finishes and how much of the iteration is left
+  after it;
 - device-group node: device count, memory, peak FLOP/s, intra-group bandwidth, and the feedback: mean
   utilisation and idle share, peak memory over capacity (max over its devices), out-of-memory;
 - op → op edges (both directions): bytes of the tensors between the groups at the full batch;
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tagps.strategy.mcts import SEARCH_OPTIONS, Action, SearchContext
+from tagps.strategy.mcts import OPTION_SLOT, Action, SearchContext
 from tagps.strategy.simulator import SimResult
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def state_graph(ctx: SearchContext, decided: Sequence[Action], result: SimResult
             per_group[ctx.order[level]] = action
             op[ctx.order[level], 4] = 1.0
         for i, action in enumerate(per_group):
-            op[i, 6 + SEARCH_OPTIONS.index(action.option)] = 1.0
+            op[i, 6 + OPTION_SLOT[action.option]] = 1.0
             placed[i, list(action.devices)] = 1.0
             op[i, 9] = len(action.devices) / ndg
     current = ctx.order[len(decided)]
@@ -203,7 +204,7 @@ def _encode(actions: Sequence[Action], ndg: int) -> ActionEncoding:
     mask = torch.zeros(len(actions), ndg)
     for a, action in enumerate(actions):
         mask[a, list(action.devices)] = 1.0 / len(action.devices)
-    option = torch.tensor([SEARCH_OPTIONS.index(a.option) for a in actions], dtype=torch.long)
+    option = torch.tensor([OPTION_SLOT[a.option] for a in actions], dtype=torch.long)
     size = torch.tensor([len(a.devices) / ndg for a in actions], dtype=torch.float32)
     return ActionEncoding(mask, option, size)
 

@@ -40,7 +40,7 @@ from tagps.strategy.features import (
     encode_actions,
     state_graph,
 )
-from tagps.strategy.mcts import SEARCH_OPTIONS, Action, SearchContext
+from tagps.strategy.mcts import OPTION_SLOTS, Action, SearchContext
 from tagps.strategy.simulator import SimResult
 
 __all__ = ["DEFAULT_WEIGHTS", "GNNConfig", "GNNPrior", "TagGNN", "load_prior"]
@@ -98,7 +98,7 @@ class TagGNN(nn.Module):
             )
             for _ in range(config.layers)
         )
-        width = 3 * h + 1 + len(SEARCH_OPTIONS)
+        width = 3 * h + 1 + OPTION_SLOTS
         self.head = nn.Sequential(nn.Linear(width, h), nn.ELU(), nn.Linear(h, h), nn.ELU(), nn.Linear(h, 1))
 
     def embeddings(self, graph: StateGraph) -> dict[str, torch.Tensor]:
@@ -120,7 +120,7 @@ class TagGNN(nn.Module):
         member = (mask > 0).unsqueeze(-1)  # [A, D, 1]
         big = torch.where(member, dev.unsqueeze(0), torch.full_like(dev, -1e4).unsqueeze(0)).amax(dim=1)
         group = x["op"][graph.current].expand(len(legal), -1)
-        option = nn.functional.one_hot(actions.option[legal], len(SEARCH_OPTIONS)).float()
+        option = nn.functional.one_hot(actions.option[legal], OPTION_SLOTS).float()
         features = torch.cat([group, mean, big, actions.size[legal].unsqueeze(1), option], dim=1)
         return self.head(features).squeeze(1)
 

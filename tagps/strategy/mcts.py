@@ -2,9 +2,14 @@
 
 The tree decides one op group per level, heaviest group first (forward + backward time on the fastest
 device type at the full batch). An action is ``(non-empty subset of device groups, option)`` with option
-∈ {allreduce, ps, mp}; ``ps`` is offered only for a single device group (its devices reduce through a
-server on that machine). A node's partial plan gives every undecided group the action of the first decided
-group, so every node below the root is a complete plan the simulator can cost.
+∈ {allreduce, ps, mp, duplicate}, every option on every subset (``ps`` puts one server on each machine of the
+subset, the gradient's partitions spread over them). A node's partial plan gives every undecided group the
+action of the first decided group, so every node below the root is a complete plan the simulator can cost.
+An ``mp`` group carries the split the simulator costs (:meth:`Simulator.mp_assignment`).
+
+The general search first runs the data-parallel search (same budget, same seed), seeds its own tree with
+that search's best plan and returns the faster of the two, so it is never predicted slower than the
+data-parallel search.
 
 Selection is PUCT:
 
@@ -39,11 +44,13 @@ from typing import Protocol
 
 import numpy as np
 
-from tagps.strategy.baselines import HOROVOD_FUSION_BYTES, dp_nccl
-from tagps.strategy.plan import CommSettings, GradientSync, OpGroupPlan, Plan, PlanError, Prediction
+from tagps.strategy.baselines import HOROVOD_FUSION_BYTES, dp_nccl, op_group_plan
+from tagps.strategy.plan import SYNC_ALLOWED, CommSettings, GradientSync, Plan, PlanError, Prediction
 from tagps.strategy.simulator import SimResult, Simulator, ring_allreduce_time
 
 __all__ = [
+    "OPTION_SLOT",
+    "OPTION_SLOTS",
     "SEARCH_OPTIONS",
     "Action",
     "NodeSample",
@@ -55,7 +62,12 @@ __all__ = [
     "search",
 ]
 
-SEARCH_OPTIONS = ("allreduce", "ps", "mp")
+SEARCH_OPTIONS = ("allreduce", "ps", "duplicate", "mp")
+REPLICATED = ("allreduce", "ps")  # the options a data-parallel plan may use
+# Option slot in the GNN's encoding. The shipped weights know three slots (allreduce, ps, mp); duplicate
+# shares mp's: in both every device of the group runs the full batch and no gradient is synchronised.
+OPTION_SLOT = {"allreduce": 0, "ps": 1, "mp": 2, "duplicate": 2}
+OPTION_SLOTS = 3
 MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
 ROOT_FPU = 1e6  # value of an untried root action: above any reward, so each is tried once first
 
@@ -66,7 +78,7 @@ class Action:
 
     Args:
         devices: indices of the device groups (into ``topology.groups``), sorted, non-empty.
-        option: ``allreduce``, ``ps`` or ``mp``.
+        option: one of :data:`SEARCH_OPTIONS`.
     """
 
     devices: tuple[int, ...]
@@ -89,13 +101,7 @@ def _subsets(sim: Simulator) -> list[tuple[int, ...]]:
 
 def candidate_actions(sim: Simulator) -> list[Action]:
     """Every action the search considers on ``sim``'s topology (a stable order: subsets, then options)."""
-    actions = []
-    for subset in _subsets(sim):
-        for option in SEARCH_OPTIONS:
-            if option == "ps" and len(subset) != 1:
-                continue
-            actions.append(Action(subset, option))
-    return actions
+    return [Action(subset, option) for subset in _subsets(sim) for option in SEARCH_OPTIONS]
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,9 @@ class SearchConfig:
         seed: seed of the tie-breaking generator.
         data_parallel: only plans the first runtime executes: every group on the root's device groups,
             replicated (allreduce/ps); the plan's kind is ``data-parallel``.
+        dp_first: for the general search, run the data-parallel search first (the same iteration
+            budget; half of a time budget), seed the tree with its best plan and return the faster of the
+            two; False searches with the general tree alone (self-play, studies of the tree).
         sfb: run the SFB solver on the best plan.
         optimizer: the training optimizer the plans assume (``sgd``, ``momentum``, ``adam``).
     """
@@ -120,6 +129,7 @@ class SearchConfig:
     prior_mix: float = 0.25
     seed: int = 0
     data_parallel: bool = False
+    dp_first: bool = True
     sfb: bool = True
     optimizer: str = "adam"
 
@@ -136,6 +146,18 @@ class SearchConfig:
             raise ValueError(f"c_puct must be > 0, got {self.c_puct!r}")
         if not 0 <= self.prior_mix <= 1:
             raise ValueError(f"prior_mix must be in [0, 1], got {self.prior_mix!r}")
+
+    @property
+    def two_phases(self) -> bool:
+        """Whether :func:`search` runs the data-parallel search before the general tree."""
+        return self.dp_first and not self.data_parallel
+
+    @property
+    def total_iterations(self) -> int | None:
+        """Iterations :func:`search` runs at most, over both phases (None: bounded by time only)."""
+        if self.iterations is None:
+            return None
+        return self.iterations * (2 if self.two_phases else 1)
 
 
 @dataclass
@@ -291,25 +313,26 @@ class _Search:
         self.actions = candidate_actions(sim)
         self.order = _group_order(sim, batch)
         self.ctx = SearchContext(sim, batch, self.order, self.actions, _speed_weights(sim, batch))
-        self.ops = [tuple(sim.graph.ops[k].name for k in g.ops) for g in sim.groups]
         self.mp_size = np.array([len(a.devices) if a.option == "mp" else 0 for a in self.actions], float)
         self.evaluations = 0
         self.best: tuple[float, Plan, SimResult] | None = None
+        self.best_decided: tuple[int, ...] = ()  # the tree path of ``best``
         base = dp_nccl(sim, batch, config.optimizer)
         base_result = sim.evaluate(base)
         self.baseline = "dp-nccl"
         if not base_result.feasible:
             everything = tuple(range(len(sim.dgroups)))
-            base = self.plan([Action(everything, "mp")])
+            base = self.plan([Action(everything, "mp")], kind="general")
             base_result = sim.evaluate(base)
             self.baseline = "mp"
         self.baseline_time = base_result.iteration_time
 
     # ------------------------------------------------------------------ plans
-    def plan(self, decided: Sequence[Action]) -> Plan:
+    def plan(self, decided: Sequence[Action], kind: str | None = None) -> Plan:
         """The partial plan of ``decided`` (undecided groups follow the first decided action).
 
-        Gradient sync overlaps the backward pass, with Horovod-style 64 MiB tensor fusion.
+        Gradient sync overlaps the backward pass, with Horovod-style 64 MiB tensor fusion. The plan's
+        ``kind`` is the search's unless given.
         """
         sim = self.sim
         per_group = [decided[0]] * len(sim.groups)
@@ -320,14 +343,14 @@ class _Search:
         gradients: dict[str, GradientSync] = {}
         replicated: set[int] = set()
         for i, action in enumerate(per_group):
-            groups.append(OpGroupPlan(self.ops[i], tuple(names[g] for g in action.devices), action.option))
-            sync = "none" if action.option == "mp" else action.option
-            if action.option != "mp":
+            groups.append(op_group_plan(sim, i, tuple(names[g] for g in action.devices), action.option))
+            sync = SYNC_ALLOWED[action.option][0]
+            if action.option in REPLICATED:
                 replicated.update(action.devices)
             for name in sim.groups[i].param_names:
                 gradients[name] = GradientSync(i, sync)
         used = sorted(replicated) if replicated else list(range(len(sim.dgroups)))
-        kind = "data-parallel" if self.config.data_parallel else "general"
+        kind = kind or ("data-parallel" if self.config.data_parallel else "general")
         return Plan(
             sim.topology,
             sim.graph.name,
@@ -353,6 +376,7 @@ class _Search:
         t = result.iteration_time
         if self.best is None or t < self.best[0]:
             self.best = (t, plan, result)
+            self.best_decided = decided
         return self.baseline_time / t - 1.0, result
 
     # ------------------------------------------------------------------ tree
@@ -363,10 +387,11 @@ class _Search:
         if not self.config.data_parallel:
             return np.arange(len(self.actions))
         if not decided:
-            return np.array([k for k, a in enumerate(self.actions) if a.option != "mp"], dtype=np.int64)
+            return np.array([k for k, a in enumerate(self.actions) if a.option in REPLICATED], dtype=np.int64)
         root = self.actions[decided[0]].devices
         return np.array(
-            [k for k, a in enumerate(self.actions) if a.devices == root and a.option != "mp"], dtype=np.int64
+            [k for k, a in enumerate(self.actions) if a.devices == root and a.option in REPLICATED],
+            dtype=np.int64,
         )
 
     def node(self, decided: tuple[int, ...], value: float, result: SimResult | None) -> _Node:
@@ -403,7 +428,37 @@ class _Search:
         top = np.flatnonzero(score >= score.max() - 1e-12)
         return int(top[self.rng.randrange(len(top))]) if len(top) > 1 else int(top[0])
 
-    def run(self, progress: Callable[[int, float | None], None] | None) -> SearchResult:
+    def descend(self, root: _Node) -> tuple[list[tuple[_Node, int]], float]:
+        """One PUCT descent that expands one node: the edges taken and the value to back up."""
+        node, path = root, []
+        while True:
+            if len(node.legal) == 0:  # every group decided: the node's plan is complete
+                return path, node.value
+            pos = self.select(node)
+            path.append((node, pos))
+            action = int(node.legal[pos])
+            child = node.children.get(action)
+            if child is None:
+                decided = (*node.decided, action)
+                value, result = self.evaluate(decided)
+                node.children[action] = self.node(decided, value, result)
+                return path, value
+            node = child
+
+    def expand_path(self, root: _Node, decided: tuple[int, ...]) -> tuple[list[tuple[_Node, int]], float]:
+        """Expand the nodes along ``decided`` from a fresh root: the edges taken and the last node's value."""
+        node, path, value = root, [], root.value
+        for action in decided:
+            path.append((node, int(np.flatnonzero(node.legal == action)[0])))
+            child = (*node.decided, action)
+            value, result = self.evaluate(child)
+            node = node.children[action] = self.node(child, value, result)
+        return path, value
+
+    def run(
+        self, progress: Callable[[int, float | None], None] | None, seed: tuple[int, ...] = ()
+    ) -> SearchResult:
+        """Search within the budget; the first iteration expands ``seed`` (a path of action indices)."""
         config = self.config
         start = time.perf_counter()
         root = self.node((), 0.0, None)
@@ -416,21 +471,7 @@ class _Search:
             if config.seconds is not None and time.perf_counter() - start >= config.seconds:
                 break
             it += 1
-            node, path = root, []
-            while True:
-                if len(node.legal) == 0:  # every group decided: the node's plan is complete
-                    value = node.value
-                    break
-                pos = self.select(node)
-                path.append((node, pos))
-                action = int(node.legal[pos])
-                child = node.children.get(action)
-                if child is None:
-                    decided = (*node.decided, action)
-                    value, result = self.evaluate(decided)
-                    node.children[action] = self.node(decided, value, result)
-                    break
-                node = child
+            path, value = self.expand_path(root, seed) if it == 1 and seed else self.descend(root)
             for parent, pos in path:
                 parent.visits[pos] += 1
                 parent.total[pos] += value
@@ -504,4 +545,38 @@ def search(
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
-    return _Search(sim, batch, config or SearchConfig(), model, keep_samples).run(progress)
+    config = config or SearchConfig()
+    if not config.two_phases:
+        return _Search(sim, batch, config, model, keep_samples).run(progress)
+    # The general space holds the data-parallel one: searching that first (its own tree, the same
+    # iterations, so exactly the plan `--data-parallel` gives) and seeding the general tree with its best
+    # plan makes the general search never predicted slower, and lets the tree refine that plan.
+    seconds = None if config.seconds is None else config.seconds / 2
+    first = _Search(sim, batch, replace(config, data_parallel=True, seconds=seconds), model, False)
+    dp = first.run(progress)
+
+    def shifted(iteration: int, best: float | None) -> None:  # iterations and best over both phases
+        known = [t for t in (best, dp.time_s) if t is not None and t < math.inf]
+        progress(dp.iterations + iteration, min(known) if known else None)
+
+    general = _Search(sim, batch, replace(config, seconds=seconds), model, keep_samples).run(
+        shifted if progress is not None else None, first.best_decided
+    )
+    return _merge(dp, general)
+
+
+def _merge(dp: SearchResult, general: SearchResult) -> SearchResult:
+    """One result for both phases: the faster plan (the data-parallel one on a tie), counts summed."""
+    best = general if general.plan is not None and general.time_s < dp.time_s else dp
+    history = list(dp.history)
+    for iteration, t in general.history:
+        if not history or t < history[-1][1]:
+            history.append((dp.iterations + iteration, t))
+    beat = dp.iters_to_beat_baseline
+    if beat is None and general.iters_to_beat_baseline is not None:
+        beat = dp.iterations + general.iters_to_beat_baseline
+    return SearchResult(
+        best.plan, best.time_s, general.baseline, general.baseline_time_s,
+        dp.iterations + general.iterations, dp.evaluations + general.evaluations,
+        dp.seconds + general.seconds, beat, history, general.samples, general.context,
+    )
