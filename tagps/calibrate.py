@@ -11,6 +11,11 @@
    all-reduce and tagps PS, and refit the communication constants so that the simulator's iteration
    times match (what the runtimes add per message lands in the latencies).
 
+At the end it prints each fitted constant beside the micro-benchmark it is a fraction or a counterpart of
+(matmul rate, copy bandwidth, one op's dispatch, half a TCP round trip, TCP goodput) with its physical
+range, and a warning for every constant that ended on an end of its range (a failure of the cost model,
+also flagged as ``at_bound`` in the JSON).
+
 Without root only the loopback ring of step 2 is measured, the inter-machine constants are taken equal to
 the intra-machine ones and step 3 is skipped (the output says so). The result is the JSON the simulator
 loads (:mod:`tagps.strategy.calibration`; default ``$TAGPS_CACHE_DIR/calibration.json``).
@@ -21,15 +26,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tagps.strategy.calibration import (
+    FITTED,
     Calibration,
     CommSample,
     ComputeSample,
@@ -42,10 +49,13 @@ from tagps.strategy.calibration import (
 __all__ = [
     "CALIBRATION_CLUSTER",
     "CALIBRATION_MODELS",
+    "Reference",
     "calibrate",
     "calibrate_stages",
+    "constants_table",
     "default_path",
     "main",
+    "measure_dispatch",
     "profile_step",
 ]
 
@@ -89,6 +99,74 @@ def profile_step(model: Any, inputs: Sequence[Any], steps: int = 5) -> float:
         if step >= 2:
             times.append(time.thread_time() - t)
     return min(times)
+
+
+def measure_dispatch(seconds: float = 0.2) -> float:
+    """Return the CPU seconds of one op on a one-element tensor on one thread: the framework's dispatch
+    alone, the micro-benchmark beside the fitted ``op_overhead_s``."""
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.ones(1)
+    best = math.inf
+    for _ in range(5):
+        n, start = 0, time.thread_time()
+        while time.thread_time() - start < seconds / 5:
+            for _ in range(100):  # amortises the clock reads
+                torch.neg(x)
+            n += 100
+        best = min(best, (time.thread_time() - start) / n)
+    return best
+
+
+class Reference(NamedTuple):
+    """The micro-benchmark beside a fitted constant: a value the constant is a fraction of (fractions) or
+    the measured counterpart of (seconds).
+
+    Args:
+        what: what was measured.
+        value: the measurement.
+        unit: its unit.
+    """
+
+    what: str
+    value: float
+    unit: str
+
+
+def _si(value: float, unit: str) -> str:
+    """``value`` with an SI prefix (``12.3 us``, ``45.1 GFLOP/s``); plain for a fraction."""
+    if not unit:
+        return f"{value:.3g}"
+    for factor, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "u")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value / 1e-9:.3g} n{unit}"
+
+
+def constants_table(cal: Calibration, references: dict[str, Reference]) -> str:
+    """Each fitted constant of ``cal`` beside its micro-benchmark, in the micro-benchmark's unit.
+
+    Args:
+        cal: the calibration.
+        references: the micro-benchmark of each fitted constant (a constant without one shows ``-``).
+
+    Returns:
+        A table; constants on an end of their physical range are marked ``ON BOUND``.
+    """
+    rows = [("constant", "fitted", "physical range", "micro-benchmark", "fitted, same unit", "")]
+    for name, rng in FITTED.items():
+        value, ref = getattr(cal, name), references.get(name)
+        bench = same = "-"
+        if ref is not None:
+            bench = f"{ref.what}: {_si(ref.value, ref.unit)}"
+            same = _si(value * ref.value if not rng.unit else value, ref.unit)
+        bounds = f"[{_si(rng.low, rng.unit)}, {_si(rng.high, rng.unit)}]"
+        rows.append(
+            (name, _si(value, rng.unit), bounds, bench, same, "ON BOUND" if name in cal.at_bound else "")
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def _compute_samples(batches: Sequence[int], steps: int) -> list[ComputeSample]:
@@ -147,11 +225,16 @@ def _probe_argv(out: str, reps: int) -> list[str]:
     return [sys.executable, "-m", "tagps.calibrate", "--allreduce-probe", out, "--reps", str(reps)]
 
 
-def _loopback_allreduces(reps: int) -> list[CommSample]:
+def _loopback_allreduces(reps: int) -> tuple[list[CommSample], dict[str, Reference]]:
+    """Loopback all-reduces, and the loopback link's micro-benchmarks for both kinds of link constants."""
     from tagps.cluster.measure import measure_pair
     from tagps.launcher import free_ports, local_job, run_processes
 
     link = measure_pair(list, list, "127.0.0.1", free_ports(1)[0], 0.5)
+    refs = {}
+    for kind in ("inter", "intra"):
+        refs[f"{kind}_latency_s"] = Reference("half TCP round trip, loopback", link.rtt_s / 2, "s")
+        refs[f"{kind}_bandwidth_efficiency"] = Reference("TCP goodput, loopback", link.bandwidth_Bps, "B/s")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
         _run_logged(
@@ -159,10 +242,20 @@ def _loopback_allreduces(reps: int) -> list[CommSample]:
             "loopback all-reduce probe",
         )
         data = json.loads(Path(out).read_text())
-    return [CommSample(int(s), 2, link.bandwidth_Bps, False, t) for s, t in data.items()]
+    return [CommSample(int(s), 2, link.bandwidth_Bps, False, t) for s, t in data.items()], refs
 
 
-def _cluster_allreduces(cluster: Any, topology: Any, reps: int) -> list[CommSample]:
+def _cluster_allreduces(
+    cluster: Any, topology: Any, reps: int
+) -> tuple[list[CommSample], dict[str, Reference]]:
+    """All-reduces inside ``ca`` and between ``ca`` and ``cb``, and the links' micro-benchmarks (the
+    measured topology's)."""
+    refs = {
+        "inter_latency_s": Reference("half TCP round trip, machines", topology.inter_latency_s, "s"),
+        "intra_latency_s": Reference("half TCP round trip, in a machine", topology.intra_latency_s, "s"),
+        "inter_bandwidth_efficiency": Reference("TCP goodput ca-cb", topology.bandwidth("ca", "cb"), "B/s"),
+        "intra_bandwidth_efficiency": Reference("TCP goodput in ca", topology.bandwidth("ca", "ca"), "B/s"),
+    }
     samples = []
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
@@ -174,7 +267,7 @@ def _cluster_allreduces(cluster: Any, topology: Any, reps: int) -> list[CommSamp
             bandwidth = topology.bandwidth("ca", "cb" if inter else "ca")
             data = json.loads(Path(out).read_text())
             samples += [CommSample(int(s), 2, bandwidth, inter, t) for s, t in data.items()]
-    return samples
+    return samples, refs
 
 
 def _job_samples(executor: Any, models: Sequence[str], steps: int) -> list[RunSample]:
@@ -252,6 +345,12 @@ def calibrate_stages(
         f"compute fit on {len(compute)} steps: efficiency {eff:.3f}, memory efficiency {mem_eff:.3f}, "
         f"op overhead {overhead * 1e6:.1f} us, mean error {compute_err:.1%}"
     )
+    references = {
+        "efficiency": Reference("matmul, one core", core_flops, "FLOP/s"),
+        "memory_efficiency": Reference("copy, one core", memory_bandwidth, "B/s"),
+        "op_overhead_s": Reference("one op on one element", measure_dispatch(), "s"),
+    }
+    compute_fit = {"efficiency": eff, "memory_efficiency": mem_eff, "op_overhead_s": overhead}
     note = "loopback only (--no-cluster)"
     if use_cluster:
         try:
@@ -259,58 +358,79 @@ def calibrate_stages(
         except ClusterError as exc:
             use_cluster, note = False, f"loopback only ({exc})"
     names = [s.name for s in compute]
-    base = Calibration(core_flops, memory_bandwidth, eff, mem_eff, overhead, 0.0, 0.0, 1.0, 1.0)
     if not use_cluster:
-        cal = _comm_fit(base, compute_err, _loopback_allreduces(reps), note, log)
-        return {"links": dataclasses.replace(cal, calibration_set=(*names, f"allreduce: {note}"))}
-    from tagps.cluster.experiment import Executor
-    from tagps.cluster.run import up
+        comm, link_refs = _loopback_allreduces(reps)
+        cal = _comm_fit(core_flops, memory_bandwidth, compute_fit, compute_err, comm, note, log)
+        stages = {"links": dataclasses.replace(cal, calibration_set=(*names, f"allreduce: {note}"))}
+    else:
+        from tagps.cluster.experiment import Executor
+        from tagps.cluster.run import up
 
-    machines = ", ".join(
-        f"{m['name']}({m['workers']} devices, {m['cpu']} cpu, {m['rate_mbit']} Mbit/s)"
-        for m in CALIBRATION_CLUSTER["machines"]
-    )
-    note = f"emulated cluster {machines}"
-    with up(CALIBRATION_CLUSTER) as cluster:
-        topology = cluster.topology()
-        cal = _comm_fit(base, compute_err, _cluster_allreduces(cluster, topology, reps), note, log)
-        fit_error = dict(cal.fit_error)
-        names.append(f"allreduce: {note}")
-        stages = {"links": dataclasses.replace(cal, calibration_set=tuple(names))}
-        if jobs:
-            runs = _job_samples(Executor(topology, cluster), ("mlp-mini", "encoder-mini"), 5 if quick else 10)
-            cal, job_err = fit_runs(cal, runs)
-            fit_error["jobs"] = job_err
-            names += [f"job: {r.name}" for r in runs]
-            log(
-                f"job fit on {len(runs)} runs: latency inter {cal.inter_latency_s * 1e6:.0f} us, intra "
-                f"{cal.intra_latency_s * 1e6:.0f} us, bandwidth efficiency inter "
-                f"{cal.inter_bandwidth_efficiency:.2f}, intra {cal.intra_bandwidth_efficiency:.2f}, "
-                f"mean error {job_err:.1%}"
-            )
-            stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
+        machines = ", ".join(
+            f"{m['name']}({m['workers']} devices, {m['cpu']} cpu, {m['rate_mbit']} Mbit/s)"
+            for m in CALIBRATION_CLUSTER["machines"]
+        )
+        note = f"emulated cluster {machines}"
+        with up(CALIBRATION_CLUSTER) as cluster:
+            topology = cluster.topology()
+            comm, link_refs = _cluster_allreduces(cluster, topology, reps)
+            cal = _comm_fit(core_flops, memory_bandwidth, compute_fit, compute_err, comm, note, log)
+            fit_error = dict(cal.fit_error)
+            names.append(f"allreduce: {note}")
+            stages = {"links": dataclasses.replace(cal, calibration_set=tuple(names))}
+            if jobs:
+                executor = Executor(topology, cluster)
+                runs = _job_samples(executor, ("mlp-mini", "encoder-mini"), 5 if quick else 10)
+                cal, job_err = fit_runs(cal, runs)
+                fit_error["jobs"] = job_err
+                names += [f"job: {r.name}" for r in runs]
+                log(
+                    f"job fit on {len(runs)} runs: latency inter {cal.inter_latency_s * 1e6:.0f} us, intra "
+                    f"{cal.intra_latency_s * 1e6:.0f} us, bandwidth efficiency inter "
+                    f"{cal.inter_bandwidth_efficiency:.2f}, intra {cal.intra_bandwidth_efficiency:.2f}, "
+                    f"mean error {job_err:.1%}{_on_bound(cal)}"
+                )
+                stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
+    final = list(stages.values())[-1]
+    log(constants_table(final, {**references, **link_refs}))
+    for line in final.bound_warnings():
+        log(line)
     log(f"calibrated in {time.monotonic() - started:.0f} s")
     return stages
 
 
+def _on_bound(cal: Calibration) -> str:
+    """A note for a fit's log line naming the constants that ended on a bound (empty when none did)."""
+    return f"; ON BOUND: {', '.join(cal.at_bound)}" if cal.at_bound else ""
+
+
 def _comm_fit(
-    base: Calibration, compute_err: float, comm: list[CommSample], note: str, log: Callable[[str], None]
+    core_flops: float,
+    memory_bandwidth: float,
+    compute_fit: dict[str, float],
+    compute_err: float,
+    comm: list[CommSample],
+    note: str,
+    log: Callable[[str], None],
 ) -> Calibration:
-    """``base`` with the all-reduce fit of ``comm`` and both fit errors."""
+    """The calibration of the measured core, the compute constants and the all-reduce fit of ``comm``."""
     inter_lat, intra_lat, inter_eff, intra_eff, comm_err = fit_comm(comm)
-    log(
-        f"all-reduce fit on {len(comm)} runs, {note}: latency inter {inter_lat * 1e6:.0f} us, "
-        f"intra {intra_lat * 1e6:.0f} us, bandwidth efficiency inter {inter_eff:.2f}, intra {intra_eff:.2f}, "
-        f"mean error {comm_err:.1%}"
-    )
-    return dataclasses.replace(
-        base,
+    cal = Calibration(
+        core_flops,
+        memory_bandwidth,
+        **compute_fit,
         inter_latency_s=inter_lat,
         intra_latency_s=intra_lat,
         inter_bandwidth_efficiency=inter_eff,
         intra_bandwidth_efficiency=intra_eff,
         fit_error={"compute": compute_err, "comm": comm_err},
     )
+    log(
+        f"all-reduce fit on {len(comm)} runs, {note}: latency inter {inter_lat * 1e6:.0f} us, "
+        f"intra {intra_lat * 1e6:.0f} us, bandwidth efficiency inter {inter_eff:.2f}, intra {intra_eff:.2f}, "
+        f"mean error {comm_err:.1%}{_on_bound(cal)}"
+    )
+    return cal
 
 
 def main(argv: Sequence[str] | None = None) -> int:

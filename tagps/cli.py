@@ -8,6 +8,7 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tagps.cluster.run import Cluster
+    from tagps.strategy.calibration import Calibration
+    from tagps.strategy.simulator import Simulator
     from tagps.strategy.topology import Topology
 
 __all__ = ["main"]
@@ -140,6 +143,33 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     down.set_defaults(func=_run_cluster_down)
 
 
+def _add_calibration(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", metavar="FILE",
+                   help="simulate with the constants of this calibration (`python -m tagps.calibrate` writes "
+                   "one; see docs/cluster.md); default: the topology's and device table's own")
+
+
+def _load_calibration(args: argparse.Namespace) -> Calibration | None:
+    """The calibration of ``--calibration`` (None without it); warns on stderr about constants on a bound.
+
+    Raises:
+        ValueError: the file is missing or not a valid calibration (the message names it).
+    """
+    if args.calibration is None:
+        return None
+    from tagps.strategy.calibration import load_calibration
+
+    cal = load_calibration(args.calibration)
+    for line in cal.bound_warnings():
+        print(f"tagps {args.command}: calibration {args.calibration}: {line}", file=sys.stderr)
+    return cal
+
+
+def _calibrated(sim: Simulator, cal: Calibration | None) -> Simulator:
+    """``sim`` with the calibration's constants (``sim`` itself without one)."""
+    return sim if cal is None else cal.simulator(sim.graph, sim.grouping, sim.topology, sim.seed)
+
+
 def _run_simulate(args: argparse.Namespace) -> int:
     from tagps.models import default_batch_size
     from tagps.strategy.baselines import BASELINES
@@ -148,17 +178,20 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from tagps.strategy.topology import load_topology
 
     try:
+        cal = _load_calibration(args)
         if args.strategy in BASELINES:
             if not args.model:
                 raise ValueError("--model is required with a baseline strategy")
-            sim = Simulator.for_model(args.model, load_topology(args.topology), args.groups)
+            sim = _calibrated(Simulator.for_model(args.model, load_topology(args.topology), args.groups), cal)
             batch = args.batch or default_batch_size(args.model)
             plan = BASELINES[args.strategy](sim, batch)
         else:
             plan = load(args.strategy)
             if args.batch and args.batch != plan.batch_size:
                 raise ValueError(f"--batch {args.batch} is not the plan's batch size {plan.batch_size}")
-            sim = Simulator.for_plan(plan)
+            sim = _calibrated(Simulator.for_plan(plan), cal)
+            # The file names the measured topology; a calibrated simulator has its calibrated copy.
+            plan = dataclasses.replace(plan, topology=sim.topology)
         result = sim.evaluate(plan, trace=bool(args.trace))
     except ValueError as exc:
         print(f"tagps simulate: {exc}", file=sys.stderr)
@@ -166,6 +199,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     print(
         f"model {sim.graph.name}, topology {sim.topology.name}, strategy {args.strategy}, "
         f"batch {plan.batch_size}, {len(sim.groups)} op groups"
+        + (f", calibration {args.calibration}" if cal is not None else "")
     )
     print(summarize(result, plan.batch_size))
     if args.trace:
@@ -183,6 +217,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=0, help="global batch size (default: the model's)")
     p.add_argument("--groups", type=int, default=60, help="op groups for baselines (METIS)")
     p.add_argument("--trace", help="write a Chrome trace (chrome://tracing, Perfetto) to this file")
+    _add_calibration(p)
     p.set_defaults(func=_run_simulate)
 
 
@@ -209,12 +244,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tagps.models import default_batch_size
-    from tagps.strategy.mcts import SearchConfig
-    from tagps.strategy.planner import parse_budget, plan_model
+    from tagps.strategy.grouping import group_ops
+    from tagps.strategy.mcts import SearchConfig, search
+    from tagps.strategy.planner import graph_for, parse_budget, plan_model
     from tagps.strategy.report import summary
     from tagps.strategy.topology import load_topology
 
     try:
+        cal = _load_calibration(args)
         budget = parse_budget(args.budget)
         config = SearchConfig(
             iterations=budget.iterations, seconds=budget.seconds, seed=args.seed,
@@ -251,7 +288,13 @@ def _run_plan(args: argparse.Namespace) -> int:
                 bar.set_postfix_str(f"best {best * 1e3:.2f} ms", refresh=False)
 
         try:
-            result, sim = plan_model(args.model, topology, batch, config, prior, args.groups, progress)
+            if cal is None:
+                result, sim = plan_model(args.model, topology, batch, config, prior, args.groups, progress)
+            else:  # plan_model's steps, on the calibrated simulator
+                graph = graph_for(args.model)
+                grouping = group_ops(graph, args.groups, config.seed)
+                sim = cal.simulator(graph, grouping, topology, config.seed)
+                result = search(sim, batch, config, model=prior, progress=progress)
         except ValueError as exc:
             print(f"tagps plan: {exc}", file=sys.stderr)
             return 2
@@ -260,8 +303,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 1
     print(summary(result.plan, sim))
     print(f"search: {result.iterations} iterations, {result.evaluations} simulations, "
-          f"{result.seconds:.1f} s, prior {args.prior}")
-    result.plan.save(args.output)
+          f"{result.seconds:.1f} s, prior {args.prior}"
+          + (f", calibration {args.calibration}" if cal is not None else ""))
+    # The file names the given topology (the runtime's); a calibrated search ran on its calibrated copy.
+    dataclasses.replace(result.plan, topology=topology).save(args.output)
     print(f"plan written to {args.output}")
     return 0
 
@@ -281,6 +326,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-sfb", action="store_true", help="skip the SFB solver")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    _add_calibration(p)
     p.set_defaults(func=_run_plan)
 
 

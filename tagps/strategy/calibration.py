@@ -20,6 +20,11 @@ inside a machine, where the reduction competes for the machine's CPU quota, and 
 
 .. math::
     t_{ring} = \\frac{2(n-1)}{n}\\frac{S}{\\eta_b B} + 2(n-1)\\,\\alpha.
+
+Every fitted constant has a meaning and a physical range (:class:`PhysicalRange`, declared beside its field
+of :class:`Calibration`; all of them in :data:`FITTED`). The fits stay inside the ranges, and a constant
+that ends on an end of its range is a failure of the cost model, not a fit: the model lacks a cost that
+the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ from tagps.strategy.topology import DeviceGroup, Link, Topology
 
 __all__ = [
     "CALIBRATION_VERSION",
+    "FITTED",
     "Calibration",
     "CommSample",
     "ComputeSample",
+    "PhysicalRange",
     "RunSample",
     "fit_comm",
     "fit_compute",
@@ -61,52 +68,121 @@ def _positive(value: Any, what: str) -> float:
 
 
 @dataclass(frozen=True)
+class PhysicalRange:
+    """What a fitted constant means and the closed range of values it can physically take.
+
+    Args:
+        meaning: what the constant is, in a few words.
+        low: the smallest physical value.
+        high: the largest physical value.
+        unit: its unit (``""`` for a fraction).
+    """
+
+    meaning: str
+    low: float
+    high: float
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"a physical range needs 0 <= low < high, got [{self.low}, {self.high}]")
+
+    def on_bound(self, value: float) -> str | None:
+        """``"lower"`` or ``"upper"`` when ``value`` lies on (within 0.1 % of) that end of the range, where a
+        fit stops when the model would need a value outside it; else ``None``."""
+        if value <= self.low * (1 + 1e-3):
+            return "lower"
+        return "upper" if value >= self.high * (1 - 1e-3) else None
+
+    def __str__(self) -> str:
+        return f"[{self.low:g}, {self.high:g}]" + (f" {self.unit}" if self.unit else "")
+
+    def clip(self, value: float) -> float:
+        """``value`` moved into the range."""
+        return min(max(value, self.low), self.high)
+
+
+def _fitted(meaning: str, low: float, high: float, unit: str = "") -> Any:
+    """A :class:`Calibration` field for a fitted constant, with its meaning and physical range."""
+    return field(metadata={"range": PhysicalRange(meaning, low, high, unit)})
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Fitted simulator constants for one host's CPU devices and emulated links.
 
     Args:
         core_flops: measured float32 matmul rate of one thread on one full core (FLOP/s).
         memory_bandwidth: measured copy bandwidth of one thread (bytes/s).
-        efficiency: fraction of ``core_flops`` compute-bound ops reach (fit).
-        memory_efficiency: fraction of ``memory_bandwidth`` memory-bound ops reach (fit).
-        op_overhead_s: fixed time per op on a full core (dispatch; fit).
-        inter_latency_s: per-message latency of a collective step between machines (fit).
-        intra_latency_s: the same inside a machine (fit).
-        inter_bandwidth_efficiency: fraction of the measured TCP goodput between machines that a
-            collective reaches (fit).
-        intra_bandwidth_efficiency: the same inside a machine (fit).
+        efficiency, memory_efficiency, op_overhead_s, inter_latency_s, intra_latency_s,
+            inter_bandwidth_efficiency, intra_bandwidth_efficiency: the fitted constants; each field
+            states its meaning and physical range (:data:`FITTED`).
         fit_error: mean absolute relative error of each fit on its own samples (``compute``, ``comm``).
         calibration_set: what the constants were fitted on.
+
+    Attributes:
+        at_bound: the fitted constants that lie on an end of their range (derived from the values):
+            the cost model failed there, and predictions that depend on them are unreliable.
     """
 
     core_flops: float
     memory_bandwidth: float
-    efficiency: float
-    memory_efficiency: float
-    op_overhead_s: float
-    inter_latency_s: float
-    intra_latency_s: float
-    inter_bandwidth_efficiency: float
-    intra_bandwidth_efficiency: float
+    # No op beats the measured matmul rate; under 5 % of it the time is a cost the roofline lacks.
+    efficiency: float = _fitted("fraction of core_flops that compute-bound ops reach", 0.05, 1.0)
+    # Likewise for the measured copy bandwidth.
+    memory_efficiency: float = _fitted("fraction of memory_bandwidth that memory-bound ops reach", 0.05, 1.0)
+    # One ATen op called from Python costs about a microsecond at least; a millisecond is not dispatch.
+    op_overhead_s: float = _fitted("fixed time per op on a full core (framework dispatch)", 0.5e-6, 1e-3, "s")
+    # A ring step between machines is at least a TCP message over veth (tens of us measured); 10 ms per
+    # message is queueing or CPU starvation, which the ring model lacks.
+    inter_latency_s: float = _fitted(
+        "per-message latency of a collective step between machines", 5e-6, 10e-3, "s"
+    )
+    # Inside a machine a step is at least a loopback TCP message, a few microseconds.
+    intra_latency_s: float = _fitted(
+        "per-message latency of a collective step inside a machine", 1e-6, 10e-3, "s"
+    )
+    # A collective crosses the links the goodput probe measured, so it reaches at most all of the goodput;
+    # under 10 % the link is not what limits it (CPU, serialisation: costs the ring model lacks).
+    inter_bandwidth_efficiency: float = _fitted(
+        "fraction of the measured TCP goodput between machines that a collective reaches", 0.1, 1.0
+    )
+    intra_bandwidth_efficiency: float = _fitted(
+        "fraction of the measured TCP goodput inside a machine that a collective reaches", 0.1, 1.0
+    )
     fit_error: dict[str, float] = field(default_factory=dict)
     calibration_set: tuple[str, ...] = ()
+    at_bound: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         _positive(self.core_flops, "core_flops")
         _positive(self.memory_bandwidth, "memory_bandwidth")
-        for name in (
-            "efficiency",
-            "memory_efficiency",
-            "inter_bandwidth_efficiency",
-            "intra_bandwidth_efficiency",
-        ):
+        for name, rng in FITTED.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-                raise ValueError(f"calibration: {name} must be in (0, 1], got {value!r}")
-        for name in ("op_overhead_s", "inter_latency_s", "intra_latency_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-                raise ValueError(f"calibration: {name} must be in [0, 1) seconds, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not rng.low <= value <= rng.high
+            ):
+                raise ValueError(
+                    f"calibration: {name} ({rng.meaning}) must be in its physical range {rng}, "
+                    f"got {value!r}; refit with `python -m tagps.calibrate`"
+                )
+        object.__setattr__(
+            self, "at_bound", tuple(n for n, r in FITTED.items() if r.on_bound(getattr(self, n)))
+        )
+
+    def bound_warnings(self) -> list[str]:
+        """One line per constant in :attr:`at_bound`: a failure of the cost model, not a fit."""
+        lines = []
+        for name in self.at_bound:
+            rng = FITTED[name]
+            lines.append(
+                f"WARNING: {name} ({rng.meaning}) ended on the {rng.on_bound(getattr(self, name))} end "
+                f"of its physical range {rng}: the measurements need a value outside physics, so the cost "
+                "model lacks (or double-counts) a cost here and predictions that depend on it are unreliable"
+            )
+        return lines
 
     # ------------------------------------------------------------------ use
     def device_type(self, peak_flops: float | None = None) -> DeviceType:
@@ -148,12 +224,12 @@ class Calibration:
             inter_latency_s=self.inter_latency_s,
         )
 
-    def simulator(self, graph: Graph, grouping: Grouping, topology: Topology) -> Simulator:
-        """A :class:`Simulator` for ``topology`` with these constants.
+    def simulator(self, graph: Graph, grouping: Grouping, topology: Topology, seed: int = 0) -> Simulator:
+        """A :class:`Simulator` for ``topology`` with these constants (``seed``: the simulator's METIS seed).
 
         Plans keep naming ``topology`` (the measured one); evaluate them with :meth:`evaluate`.
         """
-        return Simulator(graph, grouping, self.apply(topology), self.device_types(topology))
+        return Simulator(graph, grouping, self.apply(topology), self.device_types(topology), seed=seed)
 
     def evaluate(self, sim: Simulator, plan: Any) -> float:
         """Predicted iteration time of ``plan`` (made for the measured topology) on calibrated ``sim``."""
@@ -164,6 +240,7 @@ class Calibration:
         """Return the JSON-ready form (what :meth:`from_dict` reads back to an equal object)."""
         data = dataclasses.asdict(self)
         data["calibration_set"] = list(self.calibration_set)
+        data["at_bound"] = list(self.at_bound)  # derived: written for readers, recomputed on load
         return {"version": CALIBRATION_VERSION, **data}
 
     @classmethod
@@ -175,8 +252,8 @@ class Calibration:
             raise ValueError(
                 f"calibration version {data.get('version')!r} is not supported (reads {CALIBRATION_VERSION})"
             )
-        names = {f.name for f in dataclasses.fields(cls)}
-        body = {k: v for k, v in data.items() if k != "version"}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        body = {k: v for k, v in data.items() if k not in ("version", "at_bound")}
         unknown, missing = set(body) - names, names - set(body) - {"fit_error", "calibration_set"}
         if unknown or missing:
             raise ValueError(f"calibration: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
@@ -189,12 +266,26 @@ class Calibration:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 
+FITTED: dict[str, PhysicalRange] = {
+    f.name: f.metadata["range"] for f in dataclasses.fields(Calibration) if "range" in f.metadata
+}
+"""The fitted constants of a :class:`Calibration` and their physical ranges, in field order."""
+
+
 def load_calibration(path: str | Path) -> Calibration:
-    """Read a calibration file written by :meth:`Calibration.save` (``python -m tagps.calibrate``)."""
+    """Read a calibration file written by :meth:`Calibration.save` (``python -m tagps.calibrate``).
+
+    Raises:
+        ValueError: the file is missing, unreadable, not JSON or not a valid calibration (the message
+            names the file).
+    """
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"calibration file {str(path)!r} does not exist; run `python -m tagps.calibrate`")
-    return Calibration.from_dict(json.loads(p.read_text()))
+    try:
+        return Calibration.from_dict(json.loads(p.read_text()))
+    except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"calibration file {str(path)!r}: {exc}") from None
 
 
 # ---------------------------------------------------------------------- fitting
@@ -245,12 +336,31 @@ def single_device_time(graph: Graph, batch: int, optimizer: str, dtype: DeviceTy
     return fwd + bwd + sim.apply_time(graph.param_bytes, len(graph.params), dtype, optimizer)
 
 
+def _box(names: Sequence[str], units: Sequence[float]) -> tuple[list[float], list[float]]:
+    """``least_squares`` bounds for fitting ``names``: their physical ranges in ``units``."""
+    ranges = [FITTED[n] for n in names]
+    low = [r.low / u for r, u in zip(ranges, units, strict=True)]
+    high = [r.high / u for r, u in zip(ranges, units, strict=True)]
+    return low, high
+
+
+def _constants(names: Sequence[str], units: Sequence[float], x: Sequence[float]) -> dict[str, float]:
+    """The constants that ``x`` (in ``units``) stands for, rounding kept inside their ranges."""
+    return {n: FITTED[n].clip(float(v) * u) for n, u, v in zip(names, units, x, strict=True)}
+
+
+_COMPUTE = ("efficiency", "memory_efficiency", "op_overhead_s")
+_COMPUTE_UNITS = (1.0, 1.0, 1e-6)  # the overhead fitted in microseconds keeps the variables comparable
+
+
 def fit_compute(
     samples: Sequence[ComputeSample], core_flops: float, memory_bandwidth: float
 ) -> tuple[float, float, float, float]:
     """Fit ``efficiency``, ``memory_efficiency`` and ``op_overhead_s`` to measured single-core steps.
 
-    Minimises the squared log ratio of simulated to measured time over the samples.
+    Minimises the squared log ratio of simulated to measured time over the samples, each constant inside
+    its physical range (:data:`FITTED`); a constant that ends on an end of its range shows in
+    :attr:`Calibration.at_bound`.
 
     Returns:
         ``(efficiency, memory_efficiency, op_overhead_s, mean absolute relative error)``.
@@ -265,7 +375,8 @@ def fit_compute(
     base = device_type("CPU")
 
     def dtype(x: Sequence[float]) -> DeviceType:
-        return DeviceType(base.name, core_flops, base.memory_bytes, memory_bandwidth, x[0], x[1], x[2] * 1e-6)
+        c = _constants(_COMPUTE, _COMPUTE_UNITS, x)
+        return dataclasses.replace(base, peak_flops=core_flops, memory_bandwidth=memory_bandwidth, **c)
 
     def residuals(x: Sequence[float]) -> list[float]:
         d = dtype(x)
@@ -273,13 +384,10 @@ def fit_compute(
             math.log(single_device_time(s.graph, s.batch, s.optimizer, d) / s.measured_s) for s in samples
         ]
 
-    fit = least_squares(residuals, [0.5, 0.5, 20.0], bounds=([0.01, 0.01, 0.0], [1.0, 1.0, 5000.0]))
-    eff, mem_eff, overhead_us = (float(v) for v in fit.x)
+    fit = least_squares(residuals, [0.5, 0.5, 20.0], bounds=_box(_COMPUTE, _COMPUTE_UNITS))
     d = dtype(fit.x)
-    errors = [
-        abs(single_device_time(s.graph, s.batch, s.optimizer, d) / s.measured_s - 1) for s in samples
-    ]
-    return eff, mem_eff, overhead_us * 1e-6, sum(errors) / len(errors)
+    errors = [abs(single_device_time(s.graph, s.batch, s.optimizer, d) / s.measured_s - 1) for s in samples]
+    return d.efficiency, d.memory_efficiency, d.op_overhead_s, sum(errors) / len(errors)
 
 
 def fit_comm(samples: Sequence[CommSample]) -> tuple[float, float, float, float, float]:
@@ -293,7 +401,9 @@ def fit_comm(samples: Sequence[CommSample]) -> tuple[float, float, float, float,
 
     Returns:
         ``(inter_latency_s, intra_latency_s, inter_bandwidth_efficiency, intra_bandwidth_efficiency,
-        mean absolute relative error)``; a kind without samples takes the other kind's constants.
+        mean absolute relative error)``, each constant moved into its physical range (:data:`FITTED`; one
+        moved onto an end shows in :attr:`Calibration.at_bound`); a kind without samples takes the other
+        kind's constants.
 
     Raises:
         ValueError: fewer than two samples, a ring of one, or samples that leave a bandwidth term at 0.
@@ -324,7 +434,13 @@ def fit_comm(samples: Sequence[CommSample]) -> tuple[float, float, float, float,
         elif inv[kind] <= 0:
             where = "between machines" if kind else "inside a machine"
             raise ValueError(f"the all-reduces {where} do not determine the bandwidth: add larger messages")
-    return lat[True], lat[False], min(1.0, 1 / inv[True]), min(1.0, 1 / inv[False]), error
+    inter_lat, intra_lat = (
+        FITTED["inter_latency_s"].clip(lat[True]),
+        FITTED["intra_latency_s"].clip(lat[False]),
+    )
+    inter_eff = FITTED["inter_bandwidth_efficiency"].clip(1 / inv[True])
+    intra_eff = FITTED["intra_bandwidth_efficiency"].clip(1 / inv[False])
+    return inter_lat, intra_lat, inter_eff, intra_eff, error
 
 
 @dataclass(frozen=True)
@@ -352,8 +468,9 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
     """Refit the communication constants of ``start`` to whole training jobs.
 
     Minimises the squared log ratio of the calibrated simulator's iteration time to the measured one over
-    ``runs``, varying the latencies and bandwidth efficiencies (the compute constants stay). Whatever a
-    runtime adds per message (framework dispatch, hooks, copies) lands in the latencies.
+    ``runs``, varying the latencies and bandwidth efficiencies inside their physical ranges (the compute
+    constants stay). Whatever a runtime adds per message (framework dispatch, hooks, copies) lands in the
+    latencies, up to their ranges: beyond, the fit stops on a bound (:attr:`Calibration.at_bound`).
 
     Returns:
         The refitted calibration and its mean absolute relative error on ``runs``.
@@ -365,11 +482,11 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         raise ValueError(f"fitting the four communication constants needs at least 4 runs, got {len(runs)}")
     from scipy.optimize import least_squares
 
+    names = ("inter_latency_s", "intra_latency_s", "inter_bandwidth_efficiency", "intra_bandwidth_efficiency")
+    units = (1e-3, 1e-3, 1.0, 1.0)  # latencies fitted in milliseconds
+
     def with_x(x: Sequence[float]) -> Calibration:
-        return dataclasses.replace(
-            start, inter_latency_s=x[0] * 1e-3, intra_latency_s=x[1] * 1e-3,
-            inter_bandwidth_efficiency=x[2], intra_bandwidth_efficiency=x[3],
-        )  # fmt: skip
+        return dataclasses.replace(start, **_constants(names, units, x))
 
     def predict(cal: Calibration, run: RunSample) -> float:
         return cal.evaluate(cal.simulator(run.graph, run.grouping, run.topology), run.plan)
@@ -378,14 +495,8 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         cal = with_x(x)
         return [math.log(predict(cal, r) / r.measured_s) for r in runs]
 
-    x0 = [
-        min(start.inter_latency_s * 1e3, 50.0),
-        min(start.intra_latency_s * 1e3, 50.0),
-        max(start.inter_bandwidth_efficiency, 0.05),
-        max(start.intra_bandwidth_efficiency, 0.05),
-    ]
-    bounds = ([0.0, 0.0, 0.05, 0.05], [50.0, 50.0, 1.0, 1.0])
-    fit = least_squares(residuals, x0, bounds=bounds, diff_step=0.05)
+    x0 = [getattr(start, n) / u for n, u in zip(names, units, strict=True)]
+    fit = least_squares(residuals, x0, bounds=_box(names, units), diff_step=0.05)
     cal = with_x(fit.x)
     errors = [abs(predict(cal, r) / r.measured_s - 1) for r in runs]
     return cal, sum(errors) / len(errors)

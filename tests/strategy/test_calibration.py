@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from tagps.strategy.calibration import (
+    FITTED,
     Calibration,
     CommSample,
     ComputeSample,
@@ -91,12 +93,79 @@ def test_calibration_file_round_trip_and_errors(tmp_path: Path) -> None:
         Calibration.from_dict({**data, "version": 99})
     with pytest.raises(ValueError, match="unknown keys \\['speed'\\]"):
         Calibration.from_dict({**data, "speed": 1})
-    with pytest.raises(ValueError, match="efficiency must be in \\(0, 1\\]"):
+    with pytest.raises(ValueError, match=r"efficiency \(.*\) must be in its physical range \[0\.05, 1\]"):
         dataclasses.replace(CAL, efficiency=1.5)
     with pytest.raises(ValueError, match="core_flops must be a positive"):
         dataclasses.replace(CAL, core_flops=0)
-    with pytest.raises(ValueError, match="op_overhead_s must be in"):
+    with pytest.raises(ValueError, match=r"op_overhead_s .* physical range \[5e-07, 0\.001\] s"):
         dataclasses.replace(CAL, op_overhead_s=-1.0)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{")
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        load_calibration(bad_json)
+
+
+def test_an_old_file_with_an_unphysical_constant_is_refused_by_name(tmp_path: Path) -> None:
+    # What version 1 files could hold before the ranges: a latency of 0 and an efficiency of 0.05.
+    old = {**CAL.to_dict(), "inter_latency_s": 0.0, "intra_bandwidth_efficiency": 0.05}
+    del old["at_bound"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"old\.json.*inter_latency_s .* physical range .*refit with"):
+        load_calibration(path)
+    old["inter_latency_s"] = CAL.inter_latency_s
+    old["intra_bandwidth_efficiency"] = CAL.intra_bandwidth_efficiency
+    path.write_text(json.dumps(old))
+    assert load_calibration(path) == CAL  # files without ``at_bound`` still load
+
+
+def test_every_fitted_constant_has_a_meaning_and_a_physical_range() -> None:
+    assert set(FITTED) == {
+        "efficiency", "memory_efficiency", "op_overhead_s", "inter_latency_s", "intra_latency_s",
+        "inter_bandwidth_efficiency", "intra_bandwidth_efficiency",
+    }  # fmt: skip
+    for name, rng in FITTED.items():
+        assert rng.meaning and 0 <= rng.low < rng.high, name
+        assert rng.unit == ("s" if name.endswith("_s") else "")
+    assert CAL.at_bound == ()
+
+
+def test_a_fit_forced_onto_a_bound_is_reported(tmp_path: Path) -> None:
+    # All-reduces faster than the measured goodput allows and with no latency at all: the ring model
+    # needs an efficiency above 1 and a latency below any TCP message.
+    samples = [CommSample(s, 2, 1e8, inter, s / 2e8) for s in (1 << 16, 1 << 22) for inter in (True, False)]
+    inter_lat, intra_lat, inter_eff, intra_eff, _ = fit_comm(samples)
+    assert (inter_eff, intra_eff) == (1.0, 1.0)
+    assert (inter_lat, intra_lat) == (FITTED["inter_latency_s"].low, FITTED["intra_latency_s"].low)
+    cal = dataclasses.replace(
+        CAL, inter_latency_s=inter_lat, intra_latency_s=intra_lat,
+        inter_bandwidth_efficiency=inter_eff, intra_bandwidth_efficiency=intra_eff,
+    )  # fmt: skip
+    bounded = [n for n in FITTED if "latency" in n or "bandwidth" in n]
+    assert len(bounded) == 4 and list(cal.at_bound) == bounded
+    assert cal.to_dict()["at_bound"] == bounded
+    warnings = cal.bound_warnings()
+    assert len(warnings) == 4 and all(w.startswith("WARNING: ") for w in warnings)
+    assert "inter_latency_s" in warnings[0] and "lower end" in warnings[0]
+    assert "upper end" in warnings[2]
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert json.loads(path.read_text())["at_bound"] == bounded
+    assert load_calibration(path).at_bound == cal.at_bound
+
+
+def test_a_compute_fit_forced_onto_a_bound_is_reported() -> None:
+    # Steps three times faster than a roofline at full efficiency: no efficiency <= 1 explains them.
+    truth = DeviceType("CPU", 100e9, 1 << 34, 20e9, 1.0, 1.0, 1e-6)
+    samples = [
+        ComputeSample(f"w{w}@{b}", g, b, "adam", single_device_time(g, b, "adam", truth) / 3)
+        for w in (256, 1024)
+        for g in [_graph(w)]
+        for b in (8, 64)
+    ]
+    eff, mem_eff, overhead, _ = fit_compute(samples, truth.peak_flops, truth.memory_bandwidth)
+    cal = dataclasses.replace(CAL, efficiency=eff, memory_efficiency=mem_eff, op_overhead_s=overhead)
+    assert "efficiency" in cal.at_bound and "memory_efficiency" in cal.at_bound
 
 
 def _topology() -> Topology:
@@ -132,5 +201,5 @@ def test_calibrated_simulator_predicts_plans_of_the_measured_topology() -> None:
     plan = dp_nccl(Simulator(graph, grouping, measured), 12)
     sim = CAL.simulator(graph, grouping, measured)
     calibrated = CAL.evaluate(sim, plan)
-    slower = dataclasses.replace(CAL, inter_latency_s=0.1)
+    slower = dataclasses.replace(CAL, inter_latency_s=5e-3)
     assert slower.evaluate(slower.simulator(graph, grouping, measured), plan) > calibrated > 0

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from tagps.cli import main
+from tagps.strategy.calibration import Calibration
 from tagps.strategy.plan import load
 from tagps.strategy.planner import parse_budget, simulator_for_plan
+from tagps.strategy.topology import load_topology
 
 FACTORY = textwrap.dedent(
     """
@@ -66,6 +68,31 @@ def test_plan_data_parallel_restriction(factory: str, tmp_path: Path) -> None:
     plan = load(out)
     assert plan.kind == "data-parallel"
     assert len({g.placement for g in plan.groups}) == 1
+
+
+def test_plan_with_a_calibration(factory: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    topology = tmp_path / "cpus.yaml"
+    topology.write_text(
+        "name: cpus\ninter_bandwidth_gbps: 1\ngroups:\n"
+        "  - {name: a, device: CPU, count: 2, intra_bandwidth_gbps: 10, peak_flops: 1.0e+11}\n"
+        "  - {name: b, device: CPU, count: 1, intra_bandwidth_gbps: 10, peak_flops: 5.0e+10}\n"
+    )
+    cal = Calibration(100e9, 20e9, 0.6, 0.3, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
+    cal_path = tmp_path / "cal.json"
+    cal.save(cal_path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", factory, "--batch", "16", "--topology", str(topology), "--budget", "20",
+                 "--prior", "uniform", "--quiet", "--calibration", str(cal_path), "-o", str(out)]) == 0
+    assert f"calibration {cal_path}" in capsys.readouterr().out
+    plan = load(out)
+    assert plan.topology == load_topology(str(topology))  # the runtime's topology, not the calibrated copy
+    sim = simulator_for_plan(plan)
+    calibrated = cal.evaluate(cal.simulator(sim.graph, sim.grouping, plan.topology), plan)
+    assert calibrated == pytest.approx(plan.predicted.iteration_time_s)
+    assert sim.evaluate(plan).iteration_time != pytest.approx(calibrated)
+    assert main(["plan", "--model", factory, "--batch", "16", "--quiet", "-o", str(out),
+                 "--calibration", str(tmp_path / "none.json")]) == 2
+    assert "none.json' does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -1,0 +1,33 @@
+"""`python -m tagps.calibrate`'s report: each fitted constant beside its micro-benchmark, bounds flagged."""
+
+from __future__ import annotations
+
+from tagps.calibrate import Reference, constants_table, measure_dispatch
+from tagps.strategy.calibration import FITTED, Calibration
+
+
+def test_constants_table_sets_each_constant_beside_its_micro_benchmark() -> None:
+    # efficiency and intra_bandwidth_efficiency on their upper / lower ends, the rest inside.
+    cal = Calibration(100e9, 20e9, 1.0, 0.25, 20e-6, 300e-6, 50e-6, 0.8, 0.1)
+    refs = {
+        "efficiency": Reference("matmul, one core", 100e9, "FLOP/s"),
+        "memory_efficiency": Reference("copy, one core", 20e9, "B/s"),
+        "op_overhead_s": Reference("one op on one element", 2e-6, "s"),
+        "inter_bandwidth_efficiency": Reference("TCP goodput ca-cb", 50e6, "B/s"),
+    }
+    lines = constants_table(cal, refs).splitlines()
+    assert len(lines) == 1 + len(FITTED)
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert "copy, one core: 20 GB/s" in rows["memory_efficiency"] and "5 GB/s" in rows["memory_efficiency"]
+    assert "one op on one element: 2 us" in rows["op_overhead_s"]
+    assert "[500 ns, 1 ms]" in rows["op_overhead_s"] and "[0.05, 1]" in rows["efficiency"]
+    assert "TCP goodput ca-cb: 50 MB/s" in rows["inter_bandwidth_efficiency"]
+    assert "40 MB/s" in rows["inter_bandwidth_efficiency"]
+    assert rows["intra_latency_s"].split()[1:3] == ["50", "us"]  # no micro-benchmark given: "-"
+    assert " - " in rows["intra_latency_s"]
+    flagged = {name for name, line in rows.items() if line.endswith("ON BOUND")}
+    assert flagged == {"efficiency", "intra_bandwidth_efficiency"} == set(cal.at_bound)
+
+
+def test_measure_dispatch_is_a_few_microseconds() -> None:
+    assert 1e-8 < measure_dispatch(0.05) < 1e-3
