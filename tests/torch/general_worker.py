@@ -62,7 +62,8 @@ def make_model(kind: str) -> nn.Module:
         return WideCNN()
     from tagps.models import build_model
 
-    return build_model(kind)
+    # eval(): dropout would draw different masks here and in the reference (no other layer cares).
+    return build_model(kind).eval()
 
 
 def global_batch(kind: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
