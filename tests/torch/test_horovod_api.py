@@ -1,0 +1,542 @@
+"""Horovod's ``horovod.torch`` API on tagps: every collective, on 3 real processes, checked against values
+computed from every rank's input; process sets; autograd; errors raised on every rank; the optimizer's
+Horovod arguments. Also the names that need no job.
+
+The module is its own worker: ``run_job`` starts it under ``bpslaunch --local 3`` with the names of the
+checks below; each rank runs them in order and writes what each raised (or ``ok``) to ``rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tagps.torch as hvd
+
+WORKERS = 3
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+DTYPES = (torch.float32, torch.float64, torch.float16, *INT_DTYPES)
+OPS = ("Average", "Sum", "Min", "Max", "Product")
+CHECKS: dict[str, Callable[[int, int], None]] = {}
+
+
+def check(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _value(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input: distinct per rank, negative entries for signed dtypes, small enough for int8."""
+    base = torch.tensor([1, -2, 3, -4]) * (rank + 1) + (1 if rank == 0 else 0)
+    return (base.abs() if dtype in (torch.uint8,) else base).to(dtype)
+
+
+def _reduce(op: str, size: int, dtype: torch.dtype, ranks: list[int] | None = None) -> torch.Tensor:
+    """The reference result: reduce every rank's input in float64, then round like Horovod (truncation)."""
+    values = torch.stack([_value(r, dtype).double() for r in (ranks if ranks is not None else range(size))])
+    out = {
+        "Sum": values.sum(0),
+        "Average": values.sum(0) / len(values),
+        "Min": values.min(0).values,
+        "Max": values.max(0).values,
+        "Product": values.prod(0),
+    }[op]
+    return out.to(dtype)  # float -> int truncates toward zero, as Horovod's C++ scaling
+
+
+def _assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    tol = 1e-2 if want.dtype == torch.float16 else 1e-6
+    assert torch.allclose(got.double(), want.double(), rtol=tol, atol=tol), f"{what}: {got} != {want}"
+
+
+# ---------------------------------------------------------------------------------------------- checks
+@check
+def allreduce_every_dtype_and_op(rank: int, size: int) -> None:
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "Product" and dtype in (torch.uint8, torch.int8):
+                continue  # the products overflow 8 bits, and float-to-int8 conversion is then undefined
+            want = _reduce(op, size, dtype)
+            x = _value(rank, dtype)
+            what = f"{dtype} {op}"
+            _assert_equal(hvd.allreduce(x, op=getattr(hvd, op)), want, what)
+            assert torch.equal(x, _value(rank, dtype)), f"{what}: allreduce changed its input"
+            _assert_equal(hvd.synchronize(hvd.allreduce_async(x, op=getattr(hvd, op))), want, f"{what} async")
+            y = _value(rank, dtype)
+            assert hvd.allreduce_(y, op=getattr(hvd, op)) is y
+            _assert_equal(y, want, f"{what} in place")
+            z = _value(rank, dtype)
+            h = hvd.allreduce_async_(z, op=getattr(hvd, op))
+            assert hvd.synchronize(h) is z
+            _assert_equal(z, want, f"{what} async in place")
+
+
+@check
+def allreduce_positional_order_and_average_flag(rank: int, size: int) -> None:
+    x = _value(rank, torch.float32)
+    # Horovod's order: (tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    _assert_equal(
+        hvd.allreduce_(x.clone(), False, "pos.sum"), _reduce("Sum", size, torch.float32), "average=False"
+    )
+    h = hvd.allreduce_async(x, None, "pos.max", hvd.Max, 2.0, 0.5)
+    _assert_equal(hvd.synchronize(h), _reduce("Max", size, torch.float32), "op at position 4")
+    # allreduce alone has compression at position 4
+    out = hvd.allreduce(x, True, "pos.avg", hvd.Compression.fp16)
+    _assert_equal(out, _reduce("Average", size, torch.float32), "compression at position 4")
+    ints = _value(rank, torch.int64)
+    _assert_equal(hvd.allreduce(ints, average=True), _reduce("Average", size, torch.int64), "integer average")
+
+
+@check
+def allreduce_pre_and_postscale(rank: int, size: int) -> None:
+    for dtype in (torch.float32, torch.int32):
+        x = _value(rank, dtype)
+        out = hvd.allreduce(x, op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5)
+        want = (torch.stack([(_value(r, dtype) * 3).double() for r in range(size)]).sum(0) * 0.5).to(dtype)
+        _assert_equal(out, want, f"{dtype} scaled sum")
+    avg = hvd.allreduce(
+        _value(rank, torch.float64), op=hvd.Average, prescale_factor=2.0, postscale_factor=5.0
+    )
+    _assert_equal(avg, _reduce("Average", size, torch.float64) * 10, "scaled average")
+
+
+@check
+def grouped_allreduce_variants(rank: int, size: int) -> None:
+    xs = [_value(rank, torch.float32), _value(rank, torch.int32).reshape(2, 2)]
+    want = [_reduce("Sum", size, torch.float32), _reduce("Sum", size, torch.int32).reshape(2, 2)]
+    for got in (
+        hvd.grouped_allreduce(xs, op=hvd.Sum),
+        hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum)),
+    ):
+        for g, w in zip(got, want, strict=True):
+            _assert_equal(g, w, "grouped")
+    copies = [x.clone() for x in xs]
+    assert all(a is b for a, b in zip(hvd.grouped_allreduce_(copies, op=hvd.Sum), copies, strict=True))
+    copies2 = [x.clone() for x in xs]
+    hvd.synchronize(hvd.grouped_allreduce_async_(copies2, op=hvd.Sum))
+    for c, c2, w in zip(copies, copies2, want, strict=True):
+        _assert_equal(c, w, "grouped in place")
+        _assert_equal(c2, w, "grouped async in place")
+
+
+@check
+def allgather_every_dtype_with_uneven_rows(rank: int, size: int) -> None:
+    for dtype in DTYPES:
+        x = torch.full((rank + 1, 2), rank + 1).to(dtype)
+        want = torch.cat([torch.full((r + 1, 2), r + 1).to(dtype) for r in range(size)])
+        _assert_equal(hvd.allgather(x), want, f"{dtype}")
+        _assert_equal(hvd.synchronize(hvd.allgather_async(x)), want, f"{dtype} async")
+    got = hvd.grouped_allgather([torch.ones(rank + 1), torch.zeros(1, 3, dtype=torch.int16)])
+    _assert_equal(got[0], torch.ones(size * (size + 1) // 2), "grouped 0")
+    _assert_equal(got[1], torch.zeros(size, 3, dtype=torch.int16), "grouped 1")
+    got = hvd.synchronize(hvd.grouped_allgather_async([torch.full((1,), float(rank))]))
+    _assert_equal(got[0], torch.arange(size, dtype=torch.float32), "grouped async")
+
+
+@check
+def broadcast_every_dtype(rank: int, size: int) -> None:
+    root = size - 1
+    for dtype in DTYPES:
+        want = _value(root, dtype)
+        x = _value(rank, dtype)
+        _assert_equal(hvd.broadcast(x, root), want, f"{dtype}")
+        assert torch.equal(x, _value(rank, dtype))
+        _assert_equal(hvd.synchronize(hvd.broadcast_async(x, root)), want, f"{dtype} async")
+        y = _value(rank, dtype)
+        assert hvd.broadcast_(y, root) is y
+        _assert_equal(y, want, f"{dtype} in place")
+        z = _value(rank, dtype)
+        hvd.synchronize(hvd.broadcast_async_(z, root))
+        _assert_equal(z, want, f"{dtype} async in place")
+
+
+@check
+def alltoall_with_and_without_splits(rank: int, size: int) -> None:
+    # Rank r sends j + 1 rows holding 100 r + j to rank j.
+    splits = [j + 1 for j in range(size)]
+    x = torch.cat([torch.full((j + 1, 2), 100 * rank + j) for j in range(size)])
+    out, received = hvd.alltoall(x, splits=splits)
+    want = torch.cat([torch.full((rank + 1, 2), 100 * r + rank) for r in range(size)])
+    _assert_equal(out, want, "alltoall")
+    assert received.tolist() == [rank + 1] * size and received.dtype == torch.int32
+    out, received = hvd.synchronize(hvd.alltoall_async(torch.arange(size, dtype=torch.int16) + 10 * rank))
+    _assert_equal(out, torch.tensor([10 * r + rank for r in range(size)], dtype=torch.int16), "even splits")
+    assert received.tolist() == [1] * size
+
+
+@check
+def reducescatter_splits_rows_first_ranks_first(rank: int, size: int) -> None:
+    rows = 2 * size + 1  # the first rank gets one more row
+    x = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2) * (rank + 1)
+    total = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2) * sum(range(1, size + 1))
+    counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+    start = sum(counts[:rank])
+    mine = total[start : start + counts[rank]]
+    _assert_equal(hvd.reducescatter(x, op=hvd.Sum), mine, "sum")
+    _assert_equal(hvd.reducescatter(x), mine / size, "average (default)")
+    _assert_equal(hvd.synchronize(hvd.reducescatter_async(x, op=hvd.Sum)), mine, "async")
+    _assert_equal(
+        hvd.reducescatter(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25), mine / 2, "scaled"
+    )
+    got = hvd.grouped_reducescatter([x, x.double()], op=hvd.Sum)
+    _assert_equal(got[1], mine.double(), "grouped")
+    got = hvd.synchronize(hvd.grouped_reducescatter_async([x], op=hvd.Sum))
+    _assert_equal(got[0], mine, "grouped async")
+
+
+@check
+def autograd_of_every_differentiable_collective(rank: int, size: int) -> None:
+    def grad_of(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        out = fn(x)
+        out.backward(torch.full_like(out, float(rank + 1)))
+        assert x.grad is not None
+        return x.grad
+
+    ranks_sum = float(sum(range(1, size + 1)))
+    x = torch.ones(3, 2)
+    _assert_equal(
+        grad_of(lambda t: hvd.allreduce(t, op=hvd.Sum), x), torch.full((3, 2), ranks_sum), "allreduce"
+    )
+    _assert_equal(grad_of(lambda t: hvd.allreduce(t), x), torch.full((3, 2), ranks_sum / size), "average")
+    g = grad_of(lambda t: hvd.grouped_allreduce([t, 2 * t], op=hvd.Sum)[1], x)
+    _assert_equal(g, torch.full((3, 2), 2 * ranks_sum), "grouped allreduce")
+    # allgather: this rank's rows of the averaged output gradient
+    _assert_equal(
+        grad_of(hvd.allgather, torch.ones(rank + 1, 2)),
+        torch.full((rank + 1, 2), ranks_sum / size),
+        "allgather",
+    )
+    g = grad_of(lambda t: hvd.grouped_allgather([t])[0], torch.ones(rank + 1, 2))
+    _assert_equal(g, torch.full((rank + 1, 2), ranks_sum / size), "grouped allgather")
+    root = 1
+    want = torch.full((2,), ranks_sum / size if rank == root else 0.0)
+    _assert_equal(grad_of(lambda t: hvd.broadcast(t, root), torch.ones(2)), want, "broadcast")
+    # alltoall: the gradient goes back to where each row came from; rank j scaled it by j + 1
+    g = grad_of(lambda t: hvd.alltoall(t)[0], torch.ones(size, 2))
+    _assert_equal(g, torch.arange(1, size + 1, dtype=torch.float32)[:, None].expand(size, 2), "alltoall")
+    # reducescatter: the allgather of the gradients, scaled as the forward
+    g = grad_of(lambda t: hvd.reducescatter(t, op=hvd.Sum, postscale_factor=2.0), torch.ones(size, 2))
+    _assert_equal(
+        g, 2 * torch.arange(1, size + 1, dtype=torch.float32)[:, None].expand(size, 2), "reducescatter"
+    )
+
+
+@check
+def mismatched_shapes_raise_on_every_rank(rank: int, size: int) -> None:
+    with pytest.raises(ValueError, match="all-gather mismatch"):
+        hvd.allgather(torch.ones(1, 2 if rank else 3))
+    with pytest.raises(ValueError, match="all-gather mismatch"):
+        hvd.allgather(torch.ones(2, dtype=torch.float64 if rank == 1 else torch.float32))
+    with pytest.raises(ValueError, match="all-to-all mismatch"):
+        hvd.alltoall(torch.ones(size, 2 if rank else 3))
+    hvd.barrier()  # the job goes on after the errors
+
+
+@check
+def process_sets(rank: int, size: int) -> None:
+    evens = hvd.add_process_set([0, 2])
+    odd = hvd.ProcessSet([1])
+    assert hvd.add_process_set(odd) is odd and odd.process_set_id != evens.process_set_id
+    assert evens.size() == 2 and evens.included() == (rank != 1)
+    assert hvd.global_process_set.size() == size and hvd.global_process_set.rank() == rank
+    if rank != 1:
+        assert evens.rank() == [0, 2].index(rank)
+        out = hvd.allreduce(_value(rank, torch.float32), op=hvd.Sum, process_set=evens)
+        _assert_equal(out, _reduce("Sum", size, torch.float32, [0, 2]), "set allreduce")
+        out = hvd.allreduce(_value(rank, torch.float32), process_set=evens)
+        _assert_equal(out, _reduce("Average", size, torch.float32, [0, 2]), "set average")
+        out = hvd.allreduce(_value(rank, torch.int16), op=hvd.Max, process_set=evens)
+        _assert_equal(out, _reduce("Max", size, torch.int16, [0, 2]), "set max")
+        _assert_equal(
+            hvd.allgather(torch.full((1,), rank), process_set=evens), torch.tensor([0, 2]), "set gather"
+        )
+        _assert_equal(
+            hvd.broadcast(torch.full((1,), rank), 2, process_set=evens), torch.tensor([2]), "set bcast"
+        )
+        out, _ = hvd.alltoall(torch.tensor([rank, rank]), process_set=evens)
+        _assert_equal(out, torch.tensor([0, 2]), "set alltoall")
+        _assert_equal(
+            hvd.reducescatter(torch.ones(2), op=hvd.Sum, process_set=evens), torch.full((1,), 2.0), "set rs"
+        )
+        with pytest.raises(ValueError, match="root_rank must be a"):
+            hvd.broadcast(torch.ones(1), 1, process_set=evens)
+        hvd.barrier(process_set=evens)
+    else:
+        with pytest.raises(ValueError, match="Process is not part of provided process set"):
+            evens.rank()
+        with pytest.raises(ValueError, match="is not part of ProcessSet"):
+            hvd.allreduce(torch.ones(1), process_set=evens)
+        _assert_equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=odd), torch.ones(1), "set of one")
+    with pytest.raises(ValueError, match="duplicate process set"):
+        hvd.add_process_set([0, 2])
+    with pytest.raises(ValueError, match="needs the same ranks on every worker"):
+        hvd.add_process_set([0, 1] if rank == 0 else [1, 2])
+    assert hvd.remove_process_set(evens) and evens.process_set_id is None and evens.size() is None
+    assert not hvd.remove_process_set(evens) and not hvd.remove_process_set(hvd.global_process_set)
+    assert hvd.remove_process_set(odd)
+    with pytest.raises(ValueError, match="is not registered"):
+        hvd.allreduce(torch.ones(1), process_set=evens)
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _step_grads(opt: torch.optim.Optimizer, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    opt.zero_grad()
+    model(x).pow(2).sum().backward()
+    opt.synchronize()  # type: ignore[attr-defined]
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _local_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    model(x).pow(2).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+@check
+def optimizer_horovod_arguments(rank: int, size: int) -> None:
+    """Horovod's MNIST/ImageNet calls, with gradient_predivide_factor, groups and sparse_as_dense."""
+    model = _model(0)
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+    want = [torch.stack(gs).mean(0) for gs in zip(*[_local_grads(_model(0), x) for x in xs], strict=True)]
+    for kwargs in (
+        {"gradient_predivide_factor": 1.0},
+        {"gradient_predivide_factor": 4.0, "groups": 2},
+        {"groups": [list(model[0].parameters())], "num_groups": 0, "sparse_as_dense": True},
+    ):
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.none,
+            backward_passes_per_step=1,
+            op=hvd.Average,
+            **kwargs,
+        )
+        for got, w in zip(_step_grads(opt, model, xs[rank]), want, strict=True):
+            assert torch.allclose(got, w, rtol=1e-5, atol=1e-6), kwargs
+        del opt
+    with pytest.raises(ValueError, match="gradient_predivide_factor not supported with op != Average"):
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum, gradient_predivide_factor=2.0
+        )
+
+
+@check
+def optimizer_sparse_as_dense(rank: int, size: int) -> None:
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True)
+    ids = torch.tensor([rank, rank + 1])
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(), sparse_as_dense=True
+    )
+    opt.zero_grad()
+    emb(ids).sum().backward()
+    opt.synchronize()
+    want = torch.zeros(10, 3)
+    for r in range(size):
+        want[[r, r + 1]] += 1.0 / size
+    assert torch.allclose(emb.weight.grad, want)
+    del opt
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters())
+    opt.zero_grad()
+    with pytest.raises(ValueError, match="pass sparse_as_dense=True"):
+        emb(ids).sum().backward()
+    del opt
+
+
+@check
+def optimizer_over_a_process_set(rank: int, size: int) -> None:
+    evens = hvd.add_process_set([0, 2])
+    if rank != 1:
+        model = _model(0)
+        xs = {r: torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in (0, 2)}
+        want = [
+            torch.stack(gs).mean(0)
+            for gs in zip(*[_local_grads(_model(0), x) for x in xs.values()], strict=True)
+        ]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), process_set=evens
+        )
+        for got, w in zip(_step_grads(opt, model, xs[rank]), want, strict=True):
+            assert torch.allclose(got, w, rtol=1e-5, atol=1e-6)
+        del opt
+    else:
+        model = _model(0)
+        with pytest.raises(ValueError, match="is not part of ProcessSet"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=evens)
+    hvd.remove_process_set(evens)
+
+
+@check
+def layout_queries(rank: int, size: int) -> None:
+    assert (hvd.cross_rank(), hvd.cross_size()) == (rank, size)  # one process per machine here
+    assert hvd.is_homogeneous() and hvd.gloo_enabled() and not hvd.mpi_enabled()
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def _worker() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    names = json.loads(args.cases.read_text())
+    hvd.init()
+    results: dict[str, str] = {}
+    for name in names:
+        try:
+            CHECKS[name](hvd.rank(), hvd.size())
+            results[name] = "ok"
+        except Exception:  # report every failure by name; the other checks still run
+            results[name] = traceback.format_exc(limit=6)
+            hvd.barrier()
+    (args.out / f"rank{hvd.rank()}.json").write_text(json.dumps(results))
+    hvd.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def job_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, str]]]:
+    import torch_jobs
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(torch_jobs, "WORKER", Path(__file__))
+    try:
+        yield torch_jobs.run_job(
+            tmp_path_factory.mktemp("horovod"), list(CHECKS), workers=WORKERS, timeout=400.0
+        )  # type: ignore[arg-type]
+    finally:
+        patch.undo()
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_horovod_collective_on_every_rank(job_results: list[dict[str, str]], name: str) -> None:
+    failures = {r: res[name] for r, res in enumerate(job_results) if res.get(name) != "ok"}
+    assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())
+
+
+_LAYOUT = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT",
+           "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "TAGPS_DIST_PORT", "DMLC_ROLE")  # fmt: skip
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in _LAYOUT:
+        monkeypatch.delenv(name, raising=False)
+    hvd.init()
+    try:
+        yield
+    finally:
+        hvd.shutdown()
+
+
+# Horovod 0.28's parameter order, which positional calls rely on.
+HOROVOD_SIGNATURES = {
+    "allreduce": "tensor average name compression op prescale_factor postscale_factor process_set",
+    "allreduce_": "tensor average name op prescale_factor postscale_factor process_set",
+    "allreduce_async": "tensor average name op prescale_factor postscale_factor process_set",
+    "allreduce_async_": "tensor average name op prescale_factor postscale_factor process_set",
+    "grouped_allreduce": "tensors average name compression op prescale_factor postscale_factor process_set",
+    "grouped_allreduce_async": "tensors average name op prescale_factor postscale_factor process_set",
+    "allgather": "tensor name process_set",
+    "grouped_allgather": "tensors name process_set",
+    "broadcast": "tensor root_rank name process_set",
+    "broadcast_async_": "tensor root_rank name process_set",
+    "alltoall": "tensor splits name process_set",
+    "reducescatter": "tensor name compression op process_set prescale_factor postscale_factor",
+    "reducescatter_async": "tensor name op process_set prescale_factor postscale_factor",
+    "grouped_reducescatter": "tensors name compression op process_set prescale_factor postscale_factor",
+    "DistributedOptimizer": "optimizer named_parameters compression backward_passes_per_step op "
+    "gradient_predivide_factor num_groups groups sparse_as_dense process_set",
+}
+
+
+@pytest.mark.parametrize("name", list(HOROVOD_SIGNATURES))
+def test_positional_order_is_horovods(name: str) -> None:
+    params = inspect.signature(getattr(hvd, name)).parameters.values()
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == HOROVOD_SIGNATURES[name].split()
+
+
+def test_capabilities_and_absent_backends(world_of_one: None) -> None:
+    assert hvd.ccl_built() is False and hvd.ddl_built() is False and hvd.mpi_enabled() is False
+    assert hvd.gloo_built() and hvd.gloo_enabled()
+    assert hvd.rocm_built() is False and hvd.cuda_built() == torch.backends.cuda.is_built()
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
+
+
+def test_elastic_names_raise_naming_the_gap() -> None:
+    with pytest.raises(NotImplementedError, match=r"elastic training .* is not implemented in tagps"):
+        hvd.elastic.TorchState(model=None)
+    with pytest.raises(NotImplementedError, match=re.escape("tagps.torch.elastic.run")):
+        hvd.elastic.run(lambda state: None)
+
+
+def test_synchronize_reports_failed_transfers_as_horovod_internal_error(world_of_one: None) -> None:
+    from tagps.comm.handle import CompletedWork, Handle
+    from tagps.torch import ops
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    handle = Handle([CompletedWork()], broken)
+    ops.state().handles.add(handle)
+    with pytest.raises(hvd.HorovodInternalError, match="Connection closed by peer") as err:
+        hvd.synchronize(handle)
+    assert isinstance(err.value, RuntimeError)
+
+
+def test_argument_errors(world_of_one: None) -> None:
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="op parameter supersedes average"):
+        hvd.allreduce(x, average=True, op=hvd.Sum)
+    with pytest.raises(ValueError, match="tagps has no Adasum"):
+        hvd.allreduce_async(x, op=hvd.Adasum)
+    with pytest.raises(ValueError, match="reducescatter supports op=Average or Sum"):
+        hvd.reducescatter(x, op=hvd.Max)
+    with pytest.raises(ValueError, match=re.escape("splits must be 1 non-negative row counts")):
+        hvd.alltoall(x, splits=[3])
+    with pytest.raises(TypeError, match="expects a list of tensors"):
+        hvd.grouped_allreduce(x)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least one dimension"):
+        hvd.allgather(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="ranks must be a non-empty subset"):
+        hvd.add_process_set([0, 1])
+    with pytest.raises(ValueError, match=re.escape("init(comm=...) is not supported")):
+        hvd.init(comm=[0])
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="groups must be a non-negative int or a list of lists"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=-1)
+    with pytest.raises(ValueError, match="not a trainable parameter of the optimizer"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=[[torch.ones(1)]])
+    with pytest.raises(RuntimeError, match="op=MAX is not defined"):
+        hvd.allreduce(torch.ones(2, requires_grad=True), op=hvd.Max).sum().backward()
+
+
+def test_init_registers_process_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _LAYOUT:
+        monkeypatch.delenv(name, raising=False)
+    ps = hvd.ProcessSet([0])
+    hvd.init(process_sets=[ps])
+    try:
+        assert ps.process_set_id == 1 and ps.size() == 1
+    finally:
+        hvd.shutdown()
+    assert ps.process_set_id is None  # shutdown forgets every set
+
+
+if __name__ == "__main__":
+    _worker()
