@@ -1,10 +1,15 @@
 """Op grouping with METIS (pymetis): tensor bytes as edge weights, compute time as vertex weights.
 
-METIS partitions the undirected op graph; partitions of a DAG can depend on each other in a cycle, which
-no schedule can run group by group. :func:`group_ops` therefore repairs the partition into an acyclic one:
-parts are ranked by the topological position of their first op, and each op (in topological order) moves to
-``max(rank of its part, group of any predecessor)``. Every op stays in exactly one group, group edges only
-point forward, and the result is deterministic for a given seed.
+Two words, kept apart (glossary in docs/plan.md): an *op group* is a set of ops that a plan places and
+syncs as one (the plan's ``groups``, a :class:`Grouping` here); a *METIS part* is one piece of a METIS
+split. :func:`group_ops` makes every METIS part of a split of the whole graph an op group;
+:func:`split_ops` splits one op group into METIS parts for model parallelism (one device each).
+
+METIS splits the undirected op graph; the parts of a DAG can depend on each other in a cycle, which no
+schedule can run part by part. :func:`_partition` therefore repairs the split into an acyclic one: METIS
+parts are ranked by the topological position of their first op, and each op (in topological order) moves
+to ``max(rank of its METIS part, part of any predecessor)``. Every op stays in exactly one part, edges
+between parts only point forward, and the result is deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ REFERENCE_BATCH = 32
 
 @dataclass(frozen=True)
 class Grouping:
-    """Op groups of a graph, in topological order.
+    """The op groups of a graph, in topological order.
 
     Args:
-        groups: op indices of each group (each sorted).
-        op_group: group index of every op.
+        groups: op indices of each op group (each sorted).
+        op_group: op group index of every op.
     """
 
     groups: tuple[tuple[int, ...], ...]
@@ -52,20 +57,20 @@ def _vertex_weight(graph: Graph, i: int) -> int:
 
 
 def _partition(graph: Graph, members: Sequence[int], k: int, seed: int) -> list[int]:
-    """Acyclic METIS partition of ``members`` (op indices, topologically sorted) into at most ``k`` parts.
+    """Acyclic METIS split of ``members`` (op indices, topologically sorted) into at most ``k`` METIS parts.
 
-    Returns the part index (0..parts-1, topologically ordered) of every member.
+    Returns the METIS part index (0..parts-1, topologically ordered) of every member.
     """
     n = len(members)
     if k <= 1 or n <= 1:
         return [0] * n
     k = min(k, n)
-    local = {op: j for j, op in enumerate(members)}
+    position = {op: j for j, op in enumerate(members)}
     adj: list[dict[int, int]] = [{} for _ in range(n)]
     preds: list[list[int]] = [[] for _ in range(n)]
     for src, dst, nbytes in graph.edges:
-        if src in local and dst in local:
-            a, b = local[src], local[dst]
+        if src in position and dst in position:
+            a, b = position[src], position[dst]
             w = max(1, nbytes // 1024)  # KiB keeps METIS's integer weights small
             adj[a][b] = adj[a].get(b, 0) + w
             adj[b][a] = adj[b].get(a, 0) + w
@@ -79,7 +84,7 @@ def _partition(graph: Graph, members: Sequence[int], k: int, seed: int) -> list[
             eweights.append(row[nb])
         xadj.append(len(adjncy))
     vweights = [_vertex_weight(graph, op) for op in members]
-    # One op heavier than a whole part's share makes the balance infeasible and METIS bisect empty
+    # One op heavier than a whole METIS part's share makes the balance infeasible and METIS bisect empty
     # graphs; such an op forms its part alone anyway, so its weight is capped at that share.
     cap = max(1, sum(vweights) // k)
     vweights = [min(w, cap) for w in vweights]
@@ -108,18 +113,18 @@ def _partition(graph: Graph, members: Sequence[int], k: int, seed: int) -> list[
 
 
 def group_ops(graph: Graph, k: int = DEFAULT_GROUPS, seed: int = 0) -> Grouping:
-    """Partition ``graph`` into at most ``k`` acyclic op groups with METIS.
+    """Split ``graph`` into at most ``k`` acyclic op groups with METIS (one op group per METIS part).
 
     Args:
         graph: the op graph.
-        k: number of groups wanted (default 60); small graphs get at most ``len(ops) // 2``.
-        seed: METIS seed; the same seed gives the same groups.
+        k: number of op groups wanted (default 60); small graphs get at most ``len(ops) // 2``.
+        seed: METIS seed; the same seed gives the same op groups.
 
     Returns:
-        The grouping; group order is topological.
+        The grouping; op group order is topological.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"number of groups must be an integer >= 1, got {k!r}")
+        raise ValueError(f"number of op groups must be an integer >= 1, got {k!r}")
     if not graph.ops:
         raise ValueError(f"graph {graph.name!r} has no ops to group")
     k = min(k, max(1, len(graph.ops) // 2))
@@ -131,9 +136,9 @@ def group_ops(graph: Graph, k: int = DEFAULT_GROUPS, seed: int = 0) -> Grouping:
 
 
 def split_ops(graph: Graph, ops: Sequence[int], k: int, seed: int = 0) -> list[tuple[int, ...]]:
-    """Split one op group into at most ``k`` acyclic parts for model parallelism (METIS inside the group)."""
+    """Split one op group into at most ``k`` acyclic METIS parts for model parallelism (one device each)."""
     if k < 1:
-        raise ValueError(f"cannot split into {k} parts")
+        raise ValueError(f"cannot split an op group into {k} METIS parts")
     members = sorted(ops)
     part = _partition(graph, members, k, seed)
     parts: list[list[int]] = [[] for _ in range(max(part, default=0) + 1)]
@@ -143,10 +148,11 @@ def split_ops(graph: Graph, ops: Sequence[int], k: int, seed: int = 0) -> list[t
 
 
 def grouping_from_names(graph: Graph, groups: Sequence[Sequence[str]]) -> Grouping:
-    """The grouping a plan lists (op names per group); checks it is a partition in topological order.
+    """The grouping a plan lists (op names per op group); checks it covers every op once, in topological
+    order.
 
     Raises:
-        ValueError: an op is unknown, missing, listed twice, or a group feeds an earlier group.
+        ValueError: an op is unknown, missing, listed twice, or an op group feeds an earlier op group.
     """
     index = {op.name: i for i, op in enumerate(graph.ops)}
     op_group = [-1] * len(graph.ops)
@@ -154,17 +160,17 @@ def grouping_from_names(graph: Graph, groups: Sequence[Sequence[str]]) -> Groupi
         for name in names:
             i = index.get(name)
             if i is None:
-                raise ValueError(f"group {g}: op {name!r} is not in graph {graph.name!r}")
+                raise ValueError(f"op group {g}: op {name!r} is not in graph {graph.name!r}")
             if op_group[i] >= 0:
-                raise ValueError(f"op {name!r} is in groups {op_group[i]} and {g}")
+                raise ValueError(f"op {name!r} is in op groups {op_group[i]} and {g}")
             op_group[i] = g
     missing = [graph.ops[i].name for i, g in enumerate(op_group) if g < 0]
     if missing:
-        raise ValueError(f"{len(missing)} ops of graph {graph.name!r} are in no group, e.g. {missing[:3]}")
+        raise ValueError(f"{len(missing)} ops of graph {graph.name!r} are in no op group, e.g. {missing[:3]}")
     for src, dst, _ in graph.edges:
         if op_group[src] > op_group[dst]:
             raise ValueError(
-                f"group {op_group[src]} feeds the earlier group {op_group[dst]} "
+                f"op group {op_group[src]} feeds the earlier op group {op_group[dst]} "
                 f"(op {graph.ops[src].name!r} -> {graph.ops[dst].name!r})"
             )
     members: list[list[int]] = [[] for _ in groups]

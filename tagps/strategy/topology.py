@@ -1,9 +1,9 @@
-"""Device topologies: groups of identical devices (usually one machine) and the links between them.
+"""Device topologies: device groups (identical devices, usually one machine) and the links between them.
 
 A topology file (YAML or JSON) looks like::
 
     name: two-machines
-    inter_bandwidth_gbps: 100        # default bandwidth between any two groups
+    inter_bandwidth_gbps: 100        # default bandwidth between any two device groups
     groups:
       - {name: m0, device: V100-32GB, count: 4, intra_bandwidth_gbps: 1200}
       - {name: m1, device: 1080Ti, count: 2, intra_bandwidth_gbps: 96}
@@ -11,8 +11,10 @@ A topology file (YAML or JSON) looks like::
       - {a: m0, b: m1, bandwidth_gbps: 40}
 
 Every device group is a set of identical devices with equal bandwidth between each pair. ``memory_bytes``
-and ``peak_flops`` of a group default to its device type's (``tagps.strategy.devices``). Bandwidths are
-in Gbit/s in the file and in bytes/s through :meth:`Topology.bandwidth`.
+and ``peak_flops`` of a device group default to its device type's (``tagps.strategy.devices``). Bandwidths
+are in Gbit/s in the file and in bytes/s through :meth:`Topology.bandwidth`. A device group is not an op
+group (a set of ops, :mod:`tagps.strategy.grouping`) nor a local reduction group (the devices under one
+PCIe switch, which the runtime reduces among first); docs/plan.md has the glossary.
 """
 
 from __future__ import annotations
@@ -46,13 +48,13 @@ def _positive(value: Any, what: str) -> float:
 
 @dataclass(frozen=True)
 class DeviceGroup:
-    """A set of ``count`` identical devices with equal bandwidth between each pair.
+    """A device group: ``count`` identical devices with equal bandwidth between each pair.
 
     Args:
-        name: unique group name.
+        name: unique device group name.
         device: device-type name from the table (``"1080Ti"``).
         count: number of devices (>= 1).
-        intra_bandwidth_gbps: bandwidth between two devices of the group in Gbit/s.
+        intra_bandwidth_gbps: bandwidth between two devices of the device group in Gbit/s.
         memory_bytes: per-device memory; defaults to the device type's.
         peak_flops: per-device peak FP32 FLOP/s; defaults to the device type's.
     """
@@ -82,7 +84,7 @@ class DeviceGroup:
 
     @property
     def device_type(self) -> DeviceType:
-        """The table entry of this group's devices, with this group's memory and peak FLOP/s."""
+        """The table entry of this device group's devices, with its memory and peak FLOP/s."""
         base = device_type(self.device)
         if base.memory_bytes == self.memory_bytes and base.peak_flops == self.peak_flops:
             return base
@@ -97,13 +99,13 @@ class DeviceGroup:
         )
 
     def devices(self) -> list[str]:
-        """Names of the group's devices: ``"<group>:<index>"``."""
+        """Names of the device group's devices: ``"<device group>:<index>"``."""
         return [f"{self.name}:{i}" for i in range(self.count)]
 
 
 @dataclass(frozen=True)
 class Link:
-    """Bandwidth override between two groups (Gbit/s)."""
+    """Bandwidth override between two device groups (Gbit/s)."""
 
     a: str
     b: str
@@ -117,10 +119,10 @@ class Topology:
     Args:
         name: the topology's name.
         groups: the device groups (at least one, unique names).
-        inter_bandwidth_gbps: default bandwidth between two groups in Gbit/s.
+        inter_bandwidth_gbps: default bandwidth between two device groups in Gbit/s.
         links: per-pair overrides of ``inter_bandwidth_gbps``.
-        intra_latency_s: per-message latency inside a group (the alpha of the alpha-beta model).
-        inter_latency_s: per-message latency between groups.
+        intra_latency_s: per-message latency inside a device group (the alpha of the alpha-beta model).
+        inter_latency_s: per-message latency between device groups.
     """
 
     name: str
@@ -148,11 +150,11 @@ class Topology:
             for end in (link.a, link.b):
                 if end not in known:
                     raise ValueError(
-                        f"topology {self.name!r}: link {link.a}-{link.b} names unknown group {end!r}"
+                        f"topology {self.name!r}: link {link.a}-{link.b} names unknown device group {end!r}"
                     )
             if link.a == link.b:
                 raise ValueError(
-                    f"topology {self.name!r}: link {link.a}-{link.b} joins a group to itself; "
+                    f"topology {self.name!r}: link {link.a}-{link.b} joins a device group to itself; "
                     "use intra_bandwidth_gbps"
                 )
             what = f"topology {self.name!r}: link {link.a}-{link.b} bandwidth_gbps"
@@ -167,7 +169,7 @@ class Topology:
         raise ValueError(f"topology {self.name!r} has no device group {name!r}")
 
     def bandwidth(self, a: str, b: str) -> float:
-        """Bytes/s between a device of group ``a`` and one of group ``b`` (intra bandwidth when a == b)."""
+        """Bytes/s between a device of device group ``a`` and one of ``b`` (intra bandwidth when a == b)."""
         if a == b:
             return self.group(a).intra_bandwidth_gbps * 1e9 / 8
         for end in (a, b):
@@ -175,7 +177,7 @@ class Topology:
         return self._bw.get((a, b), self.inter_bandwidth_gbps * 1e9 / 8)
 
     def devices(self) -> list[str]:
-        """All device names, ``"<group>:<index>"``, in group order."""
+        """All device names, ``"<device group>:<index>"``, in device group order."""
         return [d for g in self.groups for d in g.devices()]
 
     @property
@@ -263,10 +265,10 @@ class Topology:
         """A human-readable table of the topology."""
         lines = [
             f"topology {self.name}: {len(self.groups)} device groups, {self.num_devices} devices, "
-            f"{self.inter_bandwidth_gbps:g} Gbit/s between groups"
+            f"{self.inter_bandwidth_gbps:g} Gbit/s between device groups"
         ]
         lines.append(
-            f"{'group':<12} {'device':<10} {'count':>5} {'memory GiB':>10} {'TFLOP/s':>8} "
+            f"{'device group':<12} {'device':<10} {'count':>5} {'memory GiB':>10} {'TFLOP/s':>8} "
             f"{'intra Gbit/s':>12}"
         )
         for g in self.groups:

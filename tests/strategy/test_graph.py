@@ -108,11 +108,11 @@ def test_grouping_from_names_errors(mlp):
     fc1, relu, fc2 = (op.name for op in mlp.ops)
     with pytest.raises(ValueError, match="not in graph"):
         grouping_from_names(mlp, [[fc1, relu, fc2, "nope"]])
-    with pytest.raises(ValueError, match="in no group"):
+    with pytest.raises(ValueError, match="in no op group"):
         grouping_from_names(mlp, [[fc1]])
-    with pytest.raises(ValueError, match="in groups 0 and 1"):
+    with pytest.raises(ValueError, match="in op groups 0 and 1"):
         grouping_from_names(mlp, [[fc1, relu], [relu, fc2]])
-    with pytest.raises(ValueError, match="feeds the earlier group"):
+    with pytest.raises(ValueError, match="feeds the earlier op group"):
         grouping_from_names(mlp, [[fc2], [fc1, relu]])
 
 

@@ -121,7 +121,7 @@ def test_yaml_file(tmp_path):
                 "groups": [{"name": "a", "device": "T4", "count": 1, "intra_bandwidth_gbps": 1}],
                 "links": [{"a": "a", "b": "zz", "bandwidth_gbps": 1}],
             },
-            "unknown group 'zz'",
+            "unknown device group 'zz'",
         ),
         (
             {
