@@ -24,11 +24,13 @@ __all__ = [
     "all_reduce_async",
     "all_to_all_rows_async",
     "backend_for",
+    "check_same_layout",
     "init_process_group",
     "shutdown_process_group",
 ]
 
 _owned = False
+_MAX_DIMS = 9
 # Index of a dtype in the metadata that collectives exchange before moving data.
 _DTYPE_CODES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -121,22 +123,13 @@ def all_gather_rows_async(
     world = dist.get_world_size(group)
     if world == 1:
         return CompletedWork(), lambda: tensor, [tensor.shape[0]]
-    # A row shape of up to 8 dims and the dtype travel with the count; -1 pads the unused dims.
-    row_shape = list(tensor.shape[1:])
-    if len(row_shape) > 8:
-        raise ValueError(f"all-gather supports tensors of up to 9 dimensions, got {tensor.dim()}")
-    meta = [tensor.shape[0], _DTYPE_CODES.index(tensor.dtype), len(row_shape), *row_shape]
-    mine = torch.tensor(meta + [-1] * (11 - len(meta)), dtype=torch.int64, device=tensor.device)
-    metas = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(metas, mine, group=group)
-    everyone = [m.tolist() for m in metas]
-    differing = [r for r, m in enumerate(everyone) if m[1:] != mine.tolist()[1:]]
+    everyone = _layouts(tensor, group)
+    mine = everyone[dist.get_rank(group)]
+    differing = [r for r, m in enumerate(everyone) if m[1:] != mine[1:]]
     if differing:
-        theirs = everyone[differing[0]]
         raise ValueError(
-            f"all-gather mismatch: this rank has dtype {tensor.dtype} and rows of shape {tuple(row_shape)}, "
-            f"group rank {differing[0]} has dtype {_DTYPE_CODES[theirs[1]]} and rows of shape "
-            f"{tuple(theirs[3 : 3 + theirs[2]])}; all ranks must agree except on the first dimension"
+            f"all-gather mismatch: this rank has {_layout_text(mine)}, group rank {differing[0]} has "
+            f"{_layout_text(everyone[differing[0]])}; all ranks must agree except on the first dimension"
         )
     counts = [m[0] for m in everyone]
     longest = max(counts)
@@ -147,6 +140,55 @@ def all_gather_rows_async(
     work = dist.all_gather(parts, padded, group=group, async_op=True)
     assert work is not None
     return work, lambda: torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]), counts
+
+
+def _layouts(tensor: torch.Tensor, group: object | None, extra: tuple[int, ...] = ()) -> list[list[int]]:
+    """Every group rank's ``[first dim, dtype, ndim, *extra, *other dims]`` (-1 padded), in rank order."""
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"collectives support tensors of up to {_MAX_DIMS} dimensions, got {tensor.dim()}")
+    shape = list(tensor.shape)
+    meta = [shape[0] if shape else -1, _DTYPE_CODES.index(tensor.dtype), len(shape), *extra, *shape[1:]]
+    width = 3 + len(extra) + _MAX_DIMS - 1
+    mine = torch.tensor(meta + [-1] * (width - len(meta)), dtype=torch.int64, device=tensor.device)
+    metas = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(metas, mine, group=group)
+    return [m.tolist() for m in metas]
+
+
+def _layout_text(meta: list[int], n_extra: int = 0) -> str:
+    ndim = meta[2]
+    shape = ([meta[0]] if ndim else []) + meta[3 + n_extra : 3 + n_extra + max(ndim - 1, 0)]
+    extra = f" and arguments {meta[3 : 3 + n_extra]}" if n_extra else ""
+    return f"dtype {_DTYPE_CODES[meta[1]]}, shape {tuple(shape)}{extra}"
+
+
+def check_same_layout(
+    tensor: torch.Tensor, group: object | None, what: str, extra: tuple[int, ...] = ()
+) -> None:
+    """Raise on every rank of ``group`` unless all of them pass one dtype, one shape and equal ``extra``.
+
+    One small blocking all-gather: a collective over tensors that differ would otherwise corrupt data or
+    abort a rank inside gloo.
+
+    Args:
+        tensor: this rank's tensor.
+        group: the group (``None``: every worker).
+        what: the collective's name, for the message.
+        extra: integer arguments that must agree too (e.g. the reduce op).
+
+    Raises:
+        ValueError: naming this rank's and the first differing rank's dtype, shape and arguments.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    everyone = _layouts(tensor, group, extra)
+    mine = everyone[dist.get_rank(group)]
+    differing = [r for r, m in enumerate(everyone) if m != mine]
+    if differing:
+        raise ValueError(
+            f"{what} mismatch: this rank has {_layout_text(mine, len(extra))}, group rank {differing[0]} has "
+            f"{_layout_text(everyone[differing[0]], len(extra))}; every rank must pass the same"
+        )
 
 
 def all_gather_varlen_async(

@@ -9,7 +9,9 @@ the same allreduce of the gradient; of an allgather or broadcast, the average of
 allgather of the gradients.
 
 Integer results of an average or of ``prescale_factor``/``postscale_factor`` are truncated toward zero, as
-Horovod's C++ scaling does (the floor, for non-negative values).
+Horovod's C++ scaling does (the floor, for non-negative values). Before moving data, the ranks exchange
+dtype, shape and the arguments that must agree (op, root), so a mismatch raises ``ValueError`` on every
+rank instead of corrupting the result or aborting a rank inside gloo.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str, inplace: boo
     if inplace and not tensor.is_contiguous():
         raise ValueError("in-place allreduce needs a contiguous tensor")
     group = group_of(spec.process_set)
+    collectives.check_same_layout(tensor.detach(), group, "allreduce", (list(_DIST_OPS).index(spec.op),))
     out = tensor.detach() if inplace else tensor.detach().clone(memory_format=torch.contiguous_format)
     _scale_(out, spec.prescale)
     work = _wire(out)
@@ -229,6 +232,7 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, process_set: ProcessS
         raise ValueError(f"root_rank must be a (global) rank of {process_set}, got {root_rank!r}")
     if inplace and not tensor.is_contiguous():
         raise ValueError("in-place broadcast needs a contiguous tensor")
+    collectives.check_same_layout(tensor.detach(), group, "broadcast", (root_rank,))
     out = tensor.detach() if inplace else tensor.detach().clone(memory_format=torch.contiguous_format)
     wire = _wire(out)
     work: Any = CompletedWork()

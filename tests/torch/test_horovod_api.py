@@ -240,6 +240,20 @@ def mismatched_shapes_raise_on_every_rank(rank: int, size: int) -> None:
         hvd.allgather(torch.ones(2, dtype=torch.float64 if rank == 1 else torch.float32))
     with pytest.raises(ValueError, match="all-to-all mismatch"):
         hvd.alltoall(torch.ones(size, 2 if rank else 3))
+    with pytest.raises(
+        ValueError, match=r"allreduce mismatch: this rank has dtype torch.float32, shape \(\d,\)"
+    ):
+        hvd.allreduce(torch.ones(2 if rank else 3))
+    with pytest.raises(ValueError, match="allreduce mismatch"):
+        hvd.allreduce_(torch.ones(2, dtype=torch.float64 if rank == 2 else torch.float32))
+    with pytest.raises(ValueError, match=r"allreduce mismatch: .* and arguments \[\d\]"):
+        hvd.allreduce(torch.ones(2), op=hvd.Max if rank else hvd.Min)
+    with pytest.raises(ValueError, match="broadcast mismatch"):
+        hvd.broadcast(torch.ones(1, 2 if rank else 1), 0)
+    with pytest.raises(ValueError, match="broadcast mismatch"):
+        hvd.broadcast_(torch.ones(2), rank % 2)
+    with pytest.raises(ValueError, match="allreduce mismatch"):
+        hvd.push_pull(torch.ones(3 if rank == 1 else 4))
     hvd.barrier()  # the job goes on after the errors
 
 
