@@ -44,6 +44,7 @@ from tagps.torch.executor import DistributedModel, distribute
 from tagps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum
 from tagps.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from tagps.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -59,6 +60,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",

@@ -396,6 +396,39 @@ def optimizer_over_a_process_set(rank: int, size: int) -> None:
 
 
 @check
+def sync_batch_norm_matches_one_process(rank: int, size: int) -> None:
+    """Uneven local batches (rank r holds r + 2 rows): outputs, input and parameter gradients and running
+    statistics equal those of BatchNorm on the concatenated batch."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(r + 2, 3, 4, generator=gen) * (r + 1) + r for r in range(size)]
+    w = [torch.randn(r + 2, 3, 4, generator=gen) for r in range(size)]
+    torch.manual_seed(1)
+    ref = nn.BatchNorm1d(3, momentum=0.3)
+    nn.init.uniform_(ref.weight)
+    sync = hvd.SyncBatchNorm(3, momentum=0.3)
+    sync.load_state_dict(ref.state_dict())
+    whole = torch.cat(xs).requires_grad_()
+    (ref(whole) * torch.cat(w)).sum().backward()
+    x = xs[rank].clone().requires_grad_()
+    out = sync(x)
+    (out * w[rank]).sum().backward()
+    start = sum(r + 2 for r in range(rank))
+    rows = slice(start, start + rank + 2)
+    assert torch.allclose(out, nn.functional.batch_norm(
+        whole.detach(), None, None, ref.weight.detach(), ref.bias.detach(), True, 0.0, ref.eps
+    )[rows], rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert whole.grad is not None and x.grad is not None
+    assert torch.allclose(x.grad, whole.grad[rows], rtol=1e-4, atol=1e-5)
+    for p, q in zip(sync.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.allclose(hvd.allreduce(p.grad, op=hvd.Sum), q.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(sync.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(sync.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+    sync.eval()
+    assert torch.allclose(sync(xs[rank]), ref.eval()(xs[rank]), rtol=1e-5, atol=1e-6)
+
+
+@check
 def layout_queries(rank: int, size: int) -> None:
     assert (hvd.cross_rank(), hvd.cross_size()) == (rank, size)  # one process per machine here
     assert hvd.is_homogeneous() and hvd.gloo_enabled() and not hvd.mpi_enabled()
