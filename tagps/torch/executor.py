@@ -84,6 +84,22 @@ class _Piece:
     tag: int
 
 
+@dataclass(frozen=True)
+class _StageSync:
+    """The gradient sync of one replicated stage this rank runs: buckets, methods, PS keys, SFB weights."""
+
+    stage: int
+    units: list[list[nn.Parameter]]
+    method: dict[nn.Parameter, str]
+    keys: dict[nn.Parameter, str]
+    sfb: dict[nn.Parameter, str]
+
+
+def _unit_key(unit: list[nn.Parameter], keys: dict[nn.Parameter, str]) -> str:
+    """PS key of a bucket: its first parameter's, with the count of the others."""
+    return keys[unit[0]] if len(unit) == 1 else f"{keys[unit[0]]}+{len(unit) - 1}"
+
+
 class _Bucketer:
     """Gradient sync of one replicated stage: fixed-order buckets launched as their gradients arrive."""
 
@@ -145,9 +161,7 @@ class _Bucketer:
         if flat is None:
             flat = self.flat[index] = torch.empty(sum(p.numel() for p in unit), dtype=unit[0].dtype)
         torch.cat([p.grad.reshape(-1) for p in unit], out=flat)  # type: ignore[union-attr]
-        inner = ops.start_sum(
-            flat, method=method, name=f"{self.keys[unit[0]]}+{len(unit) - 1}", group=self.group
-        )
+        inner = ops.start_sum(flat, method=method, name=_unit_key(unit, self.keys), group=self.group)
 
         def finish() -> torch.Tensor:
             offset = 0
@@ -169,27 +183,49 @@ class DistributedModel(nn.Module):
         st = ops.state()
         self.plan = plan
         self.loss_fn = loss_fn
+        self.rank = st.cfg.rank
+        self._module = model  # registered: parameters() and state_dict() work as for the original
+        self._infos: dict[fx.Node, _ValueInfo] | None = None
+        # Every check runs before anything collective; the ranks then agree, so that a plan one rank refuses
+        # fails on every rank before step 0 instead of leaving the others waiting in a collective.
+        error = None
+        try:
+            syncs = self._build(model, st.cfg.size, st.cfg.device)
+        except ValueError as exc:  # PlanError, and SFB's refusal of a weight that is not a Linear's
+            error = f"rank {self.rank}: {exc}"
+        errors: list[str | None] = [error]
+        if dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e]
+        if failed:
+            raise PlanError(
+                f"the job refuses the plan: {failed[0]}"
+                + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+            )
+        self._connect(syncs)
+
+    def _build(self, model: nn.Module, size: int, launched_as: str | None) -> list[_StageSync]:
+        """Everything that needs no other rank: stages, this rank's device, the split, the sync plan."""
+        plan = self.plan
         self.stages = plan_stages(plan)
         devices = plan.worker_devices()
-        if st.cfg.size != len(devices):
+        if size != len(devices):
             raise PlanError(
                 f"the plan runs on {len(devices)} devices ({', '.join(devices)}) but the job has "
-                f"{st.cfg.size} worker processes"
+                f"{size} worker processes"
             )
-        self.rank = st.cfg.rank
         self.device = devices[self.rank]
-        if st.cfg.device is not None and st.cfg.device != self.device:
+        if launched_as is not None and launched_as != self.device:
             raise PlanError(
                 f"rank {self.rank} is plan device {self.device!r} but was launched as TAGPS_DEVICE="
-                f"{st.cfg.device!r}: the job's ranks are mapped to the wrong machines"
+                f"{launched_as!r}: the job's ranks are mapped to the wrong machines"
             )
         self._rank_of = {d: r for r, d in enumerate(devices)}
-        self._module = model  # registered: parameters() and state_dict() work as for the original
         gm = fx.GraphModule(model, fx.Tracer().trace(model))
         self._gm = [gm]  # a list: not a submodule, so parameters are listed once
         self._split(gm)
-        self._make_units(model)
-        self._infos: dict[fx.Node, _ValueInfo] | None = None
+        return self._plan_syncs(model)
 
     # ------------------------------------------------------------------ construction
     def _split(self, gm: fx.GraphModule) -> None:
@@ -265,20 +301,13 @@ class DistributedModel(nn.Module):
                 seen.setdefault(id(p), p)
         return list(seen.values())
 
-    def _make_units(self, model: nn.Module) -> None:
-        """Process subgroups, parameter ownership and the sync buckets of every replicated stage."""
+    def _plan_syncs(self, model: nn.Module) -> list[_StageSync]:
+        """Parameter ownership and the sync buckets of this rank's replicated stages (no communication)."""
         names = {id(p): n for n, p in model.named_parameters()}
         plan = self.plan
+        world = len(self._rank_of)
         owner: dict[int, int] = {}
-        # Every rank creates every subgroup, in the same order (torch.distributed requires it).
-        groups: dict[tuple[int, ...], Any] = {}
-        for stage in self.stages:
-            ranks = tuple(sorted(self._rank_of[d] for d in stage.devices))
-            if len(ranks) > 1 and ranks not in groups:
-                groups[ranks] = None if len(ranks) == dist.get_world_size() else dist.new_group(list(ranks))
-        self._bucketers: dict[int, _Bucketer] = {}
-        self._hooks: list[Any] = []
-        fusion = plan.comm.fusion_bytes
+        syncs = []
         for s in self.my_stages:
             stage = self.stages[s]
             params = self._params_of(s)
@@ -299,43 +328,55 @@ class DistributedModel(nn.Module):
             method = {p: plan.gradients[names[id(p)]].sync for p in params}
             if all(m == "none" for m in method.values()):
                 continue
-            if "ps" in method.values() and len(stage.devices) != dist.get_world_size():
+            if "ps" in method.values() and len(stage.devices) != world:
                 raise PlanError(
                     f"groups[{stage.op_groups[0]}] syncs by ps among {len(stage.devices)} of the "
-                    f"{dist.get_world_size()} workers: the summation servers sum over every worker; use "
-                    "allreduce"
+                    f"{world} workers: the summation servers sum over every worker; use allreduce"
                 )
             sfb = self._sfb_weights(params, method, names)
             for p, m in method.items():
                 if m == "sfb" and p.dim() == 1:
                     method[p] = "allreduce"  # a Linear bias marked sfb is the all-reduced half of SFB
             order = [p for p in reversed(params) if method[p] != "none"]
-            units = _buckets(order, method, fusion)
-            ranks = tuple(sorted(self._rank_of[d] for d in stage.devices))
             keys = {p: f"general.{names[id(p)]}" for p in params}
-            if "ps" in method.values():
-                ps_units = [u for u in units if method[u[0]] == "ps"]
+            syncs.append(_StageSync(s, _buckets(order, method, plan.comm.fusion_bytes), method, keys, sfb))
+        self._local_params = [p for p in model.parameters() if id(p) in owner]
+        return syncs
+
+    def _connect(self, syncs: list[_StageSync]) -> None:
+        """Create the replicas' process subgroups (every rank, same order), PS keys and gradient hooks."""
+        groups: dict[tuple[int, ...], Any] = {}
+        for stage in self.stages:
+            ranks = tuple(sorted(self._rank_of[d] for d in stage.devices))
+            if len(ranks) > 1 and ranks not in groups:
+                groups[ranks] = None if len(ranks) == len(self._rank_of) else dist.new_group(list(ranks))
+        self._bucketers: dict[int, _Bucketer] = {}
+        self._hooks: list[Any] = []
+        for sync in syncs:
+            ps_units = [u for u in sync.units if sync.method[u[0]] == "ps"]
+            if ps_units:
                 ops.state().ps_service().declare(
                     [
-                        (
-                            keys[u[0]] if len(u) == 1 else f"{keys[u[0]]}+{len(u) - 1}",
-                            torch.empty(sum(p.numel() for p in u), dtype=u[0].dtype),
-                        )
+                        (_unit_key(u, sync.keys), torch.empty(sum(p.numel() for p in u), dtype=u[0].dtype))
                         for u in ps_units
                     ]
                 )
-            bucketer = _Bucketer(units, method, keys, groups[ranks], sfb, plan.comm.overlap)
-            self._bucketers[s] = bucketer
-            for p in order:
-                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(bucketer)))
-        self._local_params = [p for p in model.parameters() if id(p) in owner]
+            ranks = tuple(sorted(self._rank_of[d] for d in self.stages[sync.stage].devices))
+            sfb = SufficientFactors(sync.sfb) if sync.sfb else None
+            bucketer = _Bucketer(
+                sync.units, sync.method, sync.keys, groups[ranks], sfb, self.plan.comm.overlap
+            )
+            self._bucketers[sync.stage] = bucketer
+            for unit in sync.units:
+                for p in unit:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_hook(bucketer)))
 
     def _sfb_weights(
         self, params: list[nn.Parameter], method: dict[nn.Parameter, str], names: dict[int, str]
-    ) -> SufficientFactors | None:
+    ) -> dict[nn.Parameter, str]:
         weights = {p: names[id(p)] for p in params if method[p] == "sfb" and p.dim() != 1}
         if not weights:
-            return None
+            return weights
         linear_of = {
             id(m.weight): n.name
             for n in self._gm[0].graph.nodes
@@ -349,7 +390,12 @@ class DistributedModel(nn.Module):
                     f"gradient {name!r}: sfb_ops {list(dup)} asks to duplicate more than its nn.Linear "
                     f"{owner!r}; the runtime's SFB duplicates that op only"
                 )
-        return SufficientFactors(weights)
+        for p, name in weights.items():
+            if p.dim() != 2:
+                raise PlanError(
+                    f"gradient {name!r} is marked sfb but is not a Linear weight: use allreduce or ps"
+                )
+        return weights
 
     # ------------------------------------------------------------------ the user's surface
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]

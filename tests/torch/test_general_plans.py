@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,13 @@ def make_plan(
     ).to_dict()
 
 
-def run(tmp: Path, cases: list[dict[str, Any]], workers: int, timeout: float = 240.0) -> list[dict[str, Any]]:
+def run(
+    tmp: Path,
+    cases: list[dict[str, Any]],
+    workers: int,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "cases.json").write_text(json.dumps(cases))
     cmd = [
@@ -120,10 +127,10 @@ def run(tmp: Path, cases: list[dict[str, Any]], workers: int, timeout: float = 2
         "--",
         sys.executable, str(WORKER), "--cases", str(tmp / "cases.json"), "--out", str(tmp),
     ]  # fmt: skip
-    env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60"}
+    child_env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60", **(env or {})}
     try:
         proc = subprocess.run(
-            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"job timed out after {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None
@@ -274,3 +281,52 @@ def test_general_plan_matches_one_process(parity_results: dict[int, list[dict[st
             assert_parity(results, name)
             return
     raise AssertionError(f"case {name} did not run")
+
+
+# ---------------------------------------------------------------- refusals, before step 0, on every rank
+
+
+def refused_cases() -> list[tuple[str, str, dict[str, Any], str]]:
+    three = {"a": 2, "b": 1}
+    mlp_plan = make_plan("mlp", three, [(0, ("a", "b"), "allreduce")], {"a:0": 2, "a:1": 2, "b:0": 2})
+    ps_subset = make_plan(
+        "mlp", three, [(0, ("a", "b"), "allreduce"), (5, ("a",), "ps")], {"a:0": 2, "a:1": 2, "b:0": 2}
+    )
+    two_devices = make_plan("mlp", {"a": 2}, [(0, ("a",), "allreduce")], {"a:0": 2, "a:1": 2})
+    both = ("a", "b")
+    sfb_more = make_plan(
+        "mlp",
+        three,
+        [(0, both, "allreduce"), (5, both, "allreduce")],
+        {"a:0": 2, "a:1": 2, "b:0": 2},
+        {1: "sfb"},
+    )
+    sfb_more["gradients"]["fc3.weight"]["sfb_ops"] = ["relu", "fc3"]
+    return [
+        (
+            "another model",
+            "cnn",
+            mlp_plan,
+            r"the plan's op 'mul' .* is not an op of the traced model WideCNN",
+        ),
+        ("ps on a subset", "mlp", ps_subset, r"syncs by ps among 2 of the 3 workers"),
+        ("job size", "mlp", two_devices, r"the plan runs on 2 devices \(a:0, a:1\) but the job has 3"),
+        ("sfb_ops", "mlp", sfb_more, r"sfb_ops \['relu', 'fc3'\] asks to duplicate more than its nn.Linear"),
+    ]
+
+
+def test_plans_the_runtime_cannot_run_fail_before_step_0_on_every_rank(tmp_path: Path) -> None:
+    cases = [{"name": n, "model": m, "plan": p, "steps": 1} for n, m, p, _ in refused_cases()]
+    results = run(tmp_path, cases, 3)
+    for name, _, _, pattern in refused_cases():
+        for rank, res in enumerate(results):
+            assert res[name].get("type") == "PlanError", f"{name} rank {rank}: {res[name]}"
+            assert re.search(pattern, res[name]["error"]), f"{name} rank {rank}: {res[name]['error']}"
+
+
+def test_ranks_launched_on_the_wrong_devices_are_refused_naming_both(tmp_path: Path) -> None:
+    plan = make_plan("mlp", {"a": 2}, [(0, ("a",), "allreduce")], {"a:0": 2, "a:1": 2})
+    results = run(tmp_path, [{"name": "swap", "model": "mlp", "plan": plan}], 2, env={"TAGPS_DEVICE": "a:1"})
+    for res in results:
+        assert res["swap"].get("type") == "PlanError"
+        assert "rank 0 is plan device 'a:0' but was launched as TAGPS_DEVICE='a:1'" in res["swap"]["error"]
