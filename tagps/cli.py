@@ -355,6 +355,52 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_show)
 
 
+def _run_profile(args: argparse.Namespace) -> int:
+    from tagps.strategy.profiles import build_profile, profile_path
+
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        if args.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        profile = build_profile(
+            args.model, args.device, batches, args.repeats, args.device_type, args.threads or None,
+            progress=not args.quiet,
+        )
+        path = Path(args.output) if args.output else profile_path(profile.model, profile.device_type)
+        profile.save(path)
+    except ValueError as exc:
+        print(f"tagps profile: {exc}", file=sys.stderr)
+        return 2
+    print(f"profiled {profile.model} on {profile.device_type} ({profile.host['device']}), "
+          f"{len(profile.ops)} ops, forward + backward summed:")
+    print(f"{'batch':>6} {'measured ms':>12} {'fitted ms':>10}")
+    for k, b in enumerate(profile.batch_sizes):
+        measured = sum(op.fwd_s[k] + op.bwd_s[k] for op in profile.ops)
+        fitted = sum(sum(op.time(b)) for op in profile.ops)
+        print(f"{b:>6} {measured * 1e3:>12.3f} {fitted * 1e3:>10.3f}")
+    print(f"profile written to {path}; the simulator costs {profile.model} on {profile.device_type} with it")
+    return 0
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile", help="time every op of a model, forward and backward, on this CPU or GPU at a few batch "
+        "sizes; the simulator then uses the profile instead of its roofline for that device type",
+    )
+    p.add_argument("--model", required=True, help="reference model (see tagps.models.MODELS)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="local device to time on")
+    p.add_argument("--device-type",
+                   help="device-table row the profile describes (default: CPU, or the GPU's row by its name)")
+    p.add_argument("--batches", default="1,8,32", help="batch sizes, comma separated (default 1,8,32)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per op; the fastest counts (default 5)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: a CPU device is one single-threaded worker; 0: torch's)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output",
+                   help="where to write it (default: TAGPS_CACHE_DIR/profiles/<model>.<device type>.json)")
+    p.set_defaults(func=_run_profile)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the `tagps` command."""
     parser = argparse.ArgumentParser(prog="tagps", description=__doc__.splitlines()[0])
@@ -365,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topology(sub)
     _add_plan(sub)
     _add_show(sub)
+    _add_profile(sub)
     return parser
 
 

@@ -7,7 +7,8 @@ Per-op time is a roofline estimate (see ``docs/simulator.md``):
 
 with ``F`` FLOPs and ``D`` bytes moved per sample, ``M`` parameter bytes, ``P`` peak FLOP/s, ``W`` memory
 bandwidth, ``η``/``η_m`` efficiency factors and ``o`` a fixed per-op launch overhead. The efficiency
-factors are the calibrated constants; :func:`calibrated` returns a copy with new ones.
+factors are the calibrated constants; :func:`calibrated` returns a copy with new ones. Where a measured
+profile of the model exists for a device type (``tagps.strategy.profiles``), the simulator uses it instead.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ DEVICE_TYPES: dict[str, DeviceType] = {
         DeviceType("T4", 8.1e12, 16 * GIB, 320e9),
         DeviceType("A100", 19.5e12, 40 * GIB, 1555e9),
         DeviceType("H100", 51.2e12, 80 * GIB, 2000e9),
+        DeviceType("H200", 67e12, 139 * GIB, 4800e9),  # SXM; the GPU `tagps profile --device cuda` may meet
         DeviceType("CPU", 160e9, 24 * GIB, 17e9, efficiency=0.5, memory_efficiency=0.5, op_overhead_s=20e-6),
     )
 }

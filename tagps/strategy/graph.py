@@ -7,7 +7,7 @@ batch of one sample (nothing is allocated and FLOPs are exact: every op here is 
 the bytes of its output and inputs per sample, its parameter bytes and the fully qualified names of the
 parameters it owns. Edges carry the bytes of the tensor passed, per sample.
 
-:func:`profile_graph` times every op, forward and backward, on the local CPU or GPU (median of 5 runs) at
+:func:`profile_graph` times every op, forward and backward, on the local CPU or GPU (fastest of 5 runs) at
 several batch sizes and caches the result on disk; ``tagps.strategy.profiles`` turns that into the
 shippable profiles the simulator uses instead of its roofline.
 """
@@ -372,9 +372,10 @@ def profile_graph(
     """Time every op of reference model ``name``, forward and backward, on the local ``device``; cached.
 
     The model runs in training mode. Each op runs alone on the tensors it gets in the model, its inputs that
-    carry gradients as fresh leaves (as :func:`extract_graph` does), once to warm up and then ``repeats``
-    times; its backward is ``autograd.grad`` of its outputs with respect to those inputs and its
-    parameters. The median of each is kept.
+    carry gradients as fresh leaves (as :func:`extract_graph` does), in one pass over the model to warm up
+    and then ``repeats`` passes; its backward is ``autograd.grad`` of its outputs with respect to those
+    inputs and its parameters. The fastest run of each is kept: on a shared host, other load only ever adds
+    time. With one CPU thread, the thread's CPU time is measured instead of the wall clock.
 
     Args:
         name: reference model name.
@@ -407,20 +408,23 @@ def profile_graph(
         cached = json.loads(path.read_text())
         return {int(b): {op: (fwd, bwd) for op, (fwd, bwd) in row.items()} for b, row in cached.items()}
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None
-    clock = time.perf_counter
+    # One CPU thread runs every op inline: its CPU time is the op's cost with other load on the host left
+    # out (an op longer than a scheduler slice is otherwise always preempted on a busy host).
+    clock = time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     torch.manual_seed(0)
     model = build_model(name).to(device).train()
     gm = _trace(model, name)
     nops = sum(n.op.startswith("call_") for n in gm.graph.nodes)
     result: dict[int, dict[str, tuple[float, float]]] = {}
-    with tqdm(total=nops * len(batch_sizes), desc=f"profiling {name} on {device}", unit="op",
+    with tqdm(total=nops * len(batch_sizes) * (repeats + 1), desc=f"profiling {name} on {device}", unit="op",
               disable=not progress) as bar:
         for batch in sorted(batch_sizes):
-            row: dict[str, tuple[float, float]] = {}
-            for call in _op_calls(model, gm, example_inputs(name, batch, device), name):
-                fwd: list[float] = []
-                bwd: list[float] = []
-                for k in range(repeats + 1):  # run 0 warms up
+            inputs = example_inputs(name, batch, device)
+            runs: dict[str, list[tuple[float, float]]] = {}
+            # Whole passes over the model rather than runs of one op in a row, so that a burst of other load
+            # spoils one sample of every op instead of every sample of one op. Pass 0 warms up.
+            for k in range(repeats + 1):
+                for call in _op_calls(model, gm, inputs, name):
                     args = call.inputs()
                     sync()
                     start = clock()
@@ -434,11 +438,10 @@ def profile_graph(
                         torch.autograd.grad(outs, wrt, grads, allow_unused=True)
                     sync()
                     if k:
-                        fwd.append(mid - start)
-                        bwd.append(clock() - back if outs and wrt else 0.0)
-                row[call.node.name] = (min(fwd), min(bwd))
-                bar.update()
-            result[batch] = row
+                        bwd = clock() - back if outs and wrt else 0.0
+                        runs.setdefault(call.node.name, []).append((mid - start, bwd))
+                    bar.update()
+            result[batch] = {op: (min(f for f, _ in ts), min(b for _, b in ts)) for op, ts in runs.items()}
     write_text_atomic(path, json.dumps({str(b): t for b, t in result.items()}))
     return result
 

@@ -35,6 +35,7 @@ from tagps.strategy.devices import DeviceType
 from tagps.strategy.graph import Graph, model_graph
 from tagps.strategy.grouping import DEFAULT_GROUPS, Grouping, group_ops, grouping_from_names, split_ops
 from tagps.strategy.plan import Plan
+from tagps.strategy.profiles import Profile, find_profile, load_profile
 from tagps.strategy.topology import Topology
 
 __all__ = [
@@ -112,6 +113,8 @@ class SimResult:
         group_finish: per op group, when its backward finished (max over its device groups).
         tasks: every scheduled task (only with ``trace=True``).
         op_times: per op, ``(start, end)`` of its forward on its first device group (``trace=True``).
+        compute: per device type, what its compute times came from: ``"profile"`` (measured op times),
+            ``"roofline"``, or ``"profile + roofline"`` when its device groups differ.
     """
 
     iteration_time: float
@@ -123,6 +126,7 @@ class SimResult:
     group_finish: list[float]
     tasks: list[TaskRecord] = field(default_factory=list)
     op_times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    compute: dict[str, str] = field(default_factory=dict)
 
     def utilization(self) -> dict[str, float]:
         """Busy fraction of the iteration per device."""
@@ -258,6 +262,9 @@ class Simulator:
         device_types: optional calibrated device types, keyed by device-group name or by device-type name
             (a group's own entry wins), overriding the table's.
         seed: METIS seed for model-parallel splits.
+        profiles: measured op profiles keyed by device-type name; default: the profile of ``graph.name``
+            for each device type that :func:`~tagps.strategy.profiles.find_profile` finds. ``{}`` keeps the
+            roofline everywhere. A profile applies to device groups with its peak FLOP/s.
 
     Attributes (read-only, for the search): ``graph``, ``grouping``, ``topology``; ``groups`` (per op
     group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
@@ -273,6 +280,7 @@ class Simulator:
         topology: Topology,
         device_types: dict[str, DeviceType] | None = None,
         seed: int = 0,
+        profiles: dict[str, Profile] | None = None,
     ) -> None:
         self.graph, self.grouping, self.topology, self.seed = graph, grouping, topology, seed
         overrides = device_types or {}
@@ -323,6 +331,48 @@ class Simulator:
         self._ps_cache: dict[
             tuple[tuple[tuple[int, int], ...], int], tuple[float, tuple[int, ...], bool]
         ] = {}
+        self._compute_tables(profiles)
+
+    def _compute_tables(self, profiles: dict[str, Profile] | None) -> None:
+        """Build the compute tables: per-op profile fits per device type, and their sums per op group.
+
+        A device type's fits are ``(a_fwd, c_fwd, a_bwd, c_bwd)`` per op where a profile applies (else
+        None: the roofline); summed per (device group, op group) once, :meth:`group_time` is then two
+        multiply-adds.
+        """
+        graph = self.graph
+        self._op_fits: dict[DeviceType, list[tuple[float, float, float, float]] | None] = {}
+        for dtype in self.dtypes:
+            if dtype in self._op_fits:
+                continue
+            if profiles is None:
+                path = find_profile(graph.name, dtype.name)
+                profile = load_profile(path) if path is not None else None
+            else:
+                profile = profiles.get(dtype.name)
+            fits = profile.coefficients(graph) if profile is not None else None  # a mismatch raises
+            if profile is not None and profile.peak_flops != dtype.peak_flops:
+                fits = None  # another peak (a CPU under a cgroup quota, a measured cluster): another device
+            self._op_fits[dtype] = fits
+        self._group_fits: list[list[tuple[float, float, float, float]] | None] = []
+        sources: dict[str, set[str]] = {}
+        for dtype in self.dtypes:
+            fits = self._op_fits[dtype]
+            sources.setdefault(dtype.name, set()).add("roofline" if fits is None else "profile")
+            self._group_fits.append(
+                None
+                if fits is None
+                else [
+                    (
+                        sum(fits[i][0] for i in g.ops),
+                        sum(fits[i][1] for i in g.ops),
+                        sum(fits[i][2] for i in g.ops),
+                        sum(fits[i][3] for i in g.ops),
+                    )
+                    for g in self.groups
+                ]
+            )
+        self.compute_sources = {name: " + ".join(sorted(kinds)) for name, kinds in sources.items()}
 
     @classmethod
     def for_model(
@@ -342,11 +392,21 @@ class Simulator:
     def ops_time(self, ops: Sequence[int], dtype: DeviceType, batch: float) -> tuple[float, float]:
         """Forward and backward seconds of ``ops`` on one device of ``dtype`` at ``batch`` samples.
 
+        From the profile of ``dtype`` where one applies (a device type of this topology):
+        :math:`t = \\sum_{op} a_{op} + c_{op} b`; else the roofline:
+
         .. math::
             t_{fwd} = \\sum_{op} \\mathrm{roofline}(F_{op} b,\\ M_{op} + (I_{op} + O_{op}) b), \\quad
             t_{bwd} = \\sum_{op} \\mathrm{roofline}(F^{bwd}_{op} b,\\ 2M_{op} + 2(I_{op} + O_{op}) b)
         """
         fwd = bwd = 0.0
+        fits = self._op_fits.get(dtype)
+        if fits is not None:
+            for i in ops:
+                af, cf, ab, cb = fits[i]
+                fwd += af + cf * batch
+                bwd += ab + cb * batch
+            return fwd, bwd
         ops_list = self.graph.ops
         for i in ops:
             op = ops_list[i]
@@ -360,7 +420,13 @@ class Simulator:
         key = (group, dgroup, batch)
         hit = self._time_cache.get(key)
         if hit is None:
-            hit = self._time_cache[key] = self.ops_time(self.groups[group].ops, self.dtypes[dgroup], batch)
+            fits = self._group_fits[dgroup]
+            if fits is None:
+                hit = self.ops_time(self.groups[group].ops, self.dtypes[dgroup], batch)
+            else:
+                af, cf, ab, cb = fits[group]
+                hit = (af + cf * batch, ab + cb * batch)
+            self._time_cache[key] = hit
         return hit
 
     def apply_time(self, param_bytes: float, nparams: int, dtype: DeviceType, optimizer: str) -> float:
@@ -566,10 +632,12 @@ class Simulator:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return self._evaluate(plan, trace)
+            result = self._evaluate(plan, trace)
         finally:
             if enabled:
                 gc.enable()
+        result.compute = self.compute_sources  # shared, never modified
+        return result
 
     def _evaluate(self, plan: Plan, trace: bool) -> SimResult:
         groups = self.groups
@@ -940,6 +1008,8 @@ def summarize(result: SimResult, batch: int) -> str:
         "feasible         " + ("yes" if result.feasible else f"NO (OOM: {', '.join(result.oom_devices)})"),
         f"{'device':<14} {'busy ms':>9} {'idle ms':>9} {'util':>6} {'peak GiB':>9}",
     ]
+    if result.compute:
+        lines.insert(3, "compute          " + ", ".join(f"{dt}: {src}" for dt, src in result.compute.items()))
     util = result.utilization()
     for dev in result.peak_memory:
         lines.append(

@@ -1,0 +1,350 @@
+"""Measured op profiles: what every op of a model costs, forward and backward, on one device type.
+
+A profile holds, per op, the seconds measured by :func:`~tagps.strategy.graph.profile_graph` at a few batch
+sizes and a fit linear in the batch, so that any batch can be costed:
+
+.. math::
+    t_{fwd}(op, b) = a_{fwd} + c_{fwd}\\,b, \\qquad t_{bwd}(op, b) = a_{bwd} + c_{bwd}\\,b
+
+fitted by least squares on the relative error, with :math:`a, c \\ge 0`. Profiles are small JSON files
+named ``<model>.<device type>.json``; the simulator looks for one in ``TAGPS_CACHE_DIR/profiles`` (what
+``tagps profile`` writes), then among the profiles shipped in ``tagps/strategy/profiles/``, and costs a
+device type with its profile instead of the roofline where one exists (``docs/simulator.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tagps.strategy import devices
+from tagps.strategy.graph import Graph, check_device, device_name, profile_graph, write_text_atomic
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "SHIPPED_DIR",
+    "OpProfile",
+    "Profile",
+    "build_profile",
+    "find_profile",
+    "fit_linear",
+    "load_profile",
+    "local_device_type",
+    "profile_path",
+]
+
+PROFILE_FORMAT = "tagps-op-profile/1"
+SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def fit_linear(batches: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Fit ``t(b) = a + c·b`` with ``a, c >= 0``, minimising the squared relative error.
+
+    Relative error, because the times of one op span orders of magnitude over the batch sizes and every
+    batch should count. ``(0, 0)`` when every time is 0 (an op without backward).
+
+    Returns:
+        ``(a, c)``: seconds, and seconds per sample.
+    """
+    if len(batches) != len(seconds) or len(set(batches)) < 2:
+        raise ValueError("fit_linear needs one time per batch size and at least two distinct batch sizes")
+    points = [(b, t) for b, t in zip(batches, seconds, strict=True) if t > 0]
+    if not points:
+        return 0.0, 0.0
+    w = [1 / t**2 for _, t in points]
+    sw = sum(w)
+    sb = sum(wi * b for wi, (b, _) in zip(w, points, strict=True))
+    sbb = sum(wi * b * b for wi, (b, _) in zip(w, points, strict=True))
+    st = sum(wi * t for wi, (_, t) in zip(w, points, strict=True))
+    sbt = sum(wi * b * t for wi, (b, t) in zip(w, points, strict=True))
+    det = sw * sbb - sb * sb
+    if det > 0:
+        a, c = (sbb * st - sb * sbt) / det, (sw * sbt - sb * st) / det
+        if a >= 0 and c >= 0:
+            return a, c
+    # The unconstrained optimum leaves the quadrant: the best fit lies on one of its edges.
+    candidates = [(st / sw, 0.0), (0.0, sbt / sbb)]
+
+    def err(fit: tuple[float, float]) -> float:
+        return sum(wi * (fit[0] + fit[1] * b - t) ** 2 for wi, (b, t) in zip(w, points, strict=True))
+
+    return min(candidates, key=err)
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """One op's measured seconds per batch size and the fits ``(a, c)`` of ``t(b) = a + c·b``."""
+
+    name: str
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    fwd_fit: tuple[float, float]
+    bwd_fit: tuple[float, float]
+
+    def time(self, batch: float) -> tuple[float, float]:
+        """Forward and backward seconds at ``batch`` samples."""
+        return self.fwd_fit[0] + self.fwd_fit[1] * batch, self.bwd_fit[0] + self.bwd_fit[1] * batch
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured op times of one model on one device type.
+
+    Args:
+        model: reference model name (the graph's name).
+        device_type: the device-type name of the simulator's table (``"CPU"``, ``"H200"``).
+        peak_flops: the table's peak FLOP/s of that type when profiled; a device group with another peak
+            (a CPU under a cgroup quota) is another device and keeps the roofline.
+        batch_sizes: the batch sizes measured.
+        ops: per op of the graph, in graph order.
+        host: where it was measured (device name, torch version, date), for people.
+        source: the file it was read from ("" when built in memory); not saved.
+    """
+
+    model: str
+    device_type: str
+    peak_flops: float
+    batch_sizes: tuple[int, ...]
+    ops: tuple[OpProfile, ...]
+    host: dict[str, str]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        where = self._where
+        if not self.model or not self.device_type:
+            raise ValueError(f"{where}: model and device_type must not be empty")
+        if not (isinstance(self.peak_flops, int | float) and self.peak_flops > 0):
+            raise ValueError(f"{where}: peak_flops must be a positive number, got {self.peak_flops!r}")
+        if len(set(self.batch_sizes)) < 2 or min(self.batch_sizes) < 1:
+            raise ValueError(f"{where}: needs at least two distinct batch sizes >= 1, got {self.batch_sizes}")
+        seen: set[str] = set()
+        for op in self.ops:
+            if op.name in seen:
+                raise ValueError(f"{where}: op {op.name!r} appears twice")
+            seen.add(op.name)
+            if len(op.fwd_s) != len(self.batch_sizes) or len(op.bwd_s) != len(self.batch_sizes):
+                raise ValueError(f"{where}: op {op.name!r} needs one time per batch size {self.batch_sizes}")
+            values = (*op.fwd_s, *op.bwd_s, *op.fwd_fit, *op.bwd_fit)
+            if not all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"{where}: op {op.name!r} has a time that is not a finite number >= 0")
+
+    @property
+    def _where(self) -> str:
+        return f"profile {self.source or self.model + '.' + self.device_type}"
+
+    def coefficients(self, graph: Graph) -> list[tuple[float, float, float, float]]:
+        """Per op of ``graph``, in its order: ``(a_fwd, c_fwd, a_bwd, c_bwd)``.
+
+        Raises:
+            ValueError: the profile is for another model, or its ops are not the graph's (names the op).
+        """
+        where = self._where
+        if graph.name != self.model:
+            raise ValueError(f"{where} is for model {self.model!r}, not {graph.name!r}")
+        by_name = {op.name: op for op in self.ops}
+        for op in graph.ops:
+            if op.name not in by_name:
+                raise ValueError(f"{where}: op {op.name!r} ({op.kind}) of {graph.name} is not in the profile")
+        names = {op.name for op in graph.ops}
+        for op in self.ops:
+            if op.name not in names:
+                raise ValueError(f"{where}: op {op.name!r} is not an op of {graph.name}; profile it again")
+        return [(*by_name[op.name].fwd_fit, *by_name[op.name].bwd_fit) for op in graph.ops]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "format": PROFILE_FORMAT,
+            "model": self.model,
+            "device_type": self.device_type,
+            "peak_flops": self.peak_flops,
+            "batch_sizes": list(self.batch_sizes),
+            "host": dict(self.host),
+            "ops": [
+                {
+                    "name": op.name,
+                    "fwd_s": list(op.fwd_s),
+                    "bwd_s": list(op.bwd_s),
+                    "fwd_fit": list(op.fwd_fit),
+                    "bwd_fit": list(op.bwd_fit),
+                }
+                for op in self.ops
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "") -> Profile:
+        """Inverse of :meth:`to_dict`; ValueError naming the file and the field or op that is wrong."""
+        where = f"profile {source}" if source else "profile"
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: not a {PROFILE_FORMAT} file (format {found!r})")
+        try:
+            ops = tuple(
+                OpProfile(
+                    str(o["name"]),
+                    tuple(o["fwd_s"]),
+                    tuple(o["bwd_s"]),
+                    _pair(o["fwd_fit"], o["name"], where),
+                    _pair(o["bwd_fit"], o["name"], where),
+                )
+                for o in data["ops"]
+            )
+            return cls(
+                str(data["model"]),
+                str(data["device_type"]),
+                data["peak_flops"],
+                tuple(int(b) for b in data["batch_sizes"]),
+                ops,
+                {str(k): str(v) for k, v in data.get("host", {}).items()},
+                source,
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{where}: missing or malformed field {exc}") from None
+
+    @classmethod
+    def from_times(
+        cls,
+        graph: Graph,
+        device_type: str,
+        batch_sizes: Sequence[int],
+        times: dict[int, dict[str, tuple[float, float]]],
+        host: dict[str, str] | None = None,
+    ) -> Profile:
+        """Fit a profile to ``{batch: {op: (forward s, backward s)}}`` (:func:`profile_graph`'s answer).
+
+        Raises:
+            ValueError: an op of ``graph`` has no time at some batch size, or ``device_type`` is unknown.
+        """
+        batches = sorted(batch_sizes)
+        ops = []
+        for op in graph.ops:
+            missing = [b for b in batches if op.name not in times.get(b, {})]
+            if missing:
+                raise ValueError(f"no time for op {op.name!r} of {graph.name} at batch sizes {missing}")
+            fwd = tuple(times[b][op.name][0] for b in batches)
+            bwd = tuple(times[b][op.name][1] for b in batches)
+            ops.append(OpProfile(op.name, fwd, bwd, fit_linear(batches, fwd), fit_linear(batches, bwd)))
+        peak = devices.device_type(device_type).peak_flops
+        return cls(graph.name, device_type, peak, tuple(batches), tuple(ops), dict(host or {}))
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON to ``path`` (atomically)."""
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def _pair(value: Any, op: Any, where: str) -> tuple[float, float]:
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ValueError(f"{where}: op {op!r}: a fit is [a, c], got {value!r}")
+    return value[0], value[1]
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file; ValueError naming the file when it is not valid JSON or not a profile."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile {path}: not valid JSON ({exc})") from None
+    return Profile.from_dict(data, str(path))
+
+
+def _cache_profiles() -> Path:
+    from tagps.config import strategy_config
+
+    return Path(strategy_config().cache_dir) / "profiles"
+
+
+def profile_path(model: str, device_type: str, folder: str | Path | None = None) -> Path:
+    """Where the profile of ``model`` on ``device_type`` lives in ``folder`` (default: the cache's)."""
+    return (Path(folder) if folder is not None else _cache_profiles()) / f"{model}.{device_type}.json"
+
+
+def find_profile(model: str, device_type: str) -> Path | None:
+    """The profile file of ``model`` on ``device_type``: the cache's (``tagps profile``), else the shipped."""
+    for folder in (_cache_profiles(), SHIPPED_DIR):
+        path = profile_path(model, device_type, folder)
+        if path.is_file():
+            return path
+    return None
+
+
+def local_device_type(device: str) -> str:
+    """The device-type name of the table that the local ``device`` (``"cpu"``/``"cuda"``) is.
+
+    The CPU is the table's ``CPU`` row; a GPU is the row whose name its CUDA name contains (the longest
+    such name; V100s by their memory).
+
+    Raises:
+        ValueError: CUDA is absent, or the GPU is not in the table (pass the type explicitly).
+    """
+    check_device(device)
+    if device == "cpu":
+        return "CPU"
+    import torch
+
+    gpu = torch.cuda.get_device_name()
+    if "V100" in gpu:
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        return "V100-32GB" if gib > 20 else "V100-16GB"
+    known = [name for name in devices.DEVICE_TYPES if name != "CPU" and name.upper() in gpu.upper()]
+    if not known:
+        raise ValueError(
+            f"GPU {gpu!r} is not in the device table ({', '.join(devices.DEVICE_TYPES)}); pass --device-type"
+        )
+    return max(known, key=len)
+
+
+def build_profile(
+    model: str,
+    device: str = "cpu",
+    batch_sizes: Sequence[int] = (1, 8, 32),
+    repeats: int = 5,
+    device_type: str | None = None,
+    threads: int | None = 1,
+    progress: bool = False,
+) -> Profile:
+    """Time every op of reference model ``model`` on the local ``device`` and fit its profile.
+
+    Args:
+        model: reference model name.
+        device: ``"cpu"`` or ``"cuda"``.
+        batch_sizes: at least two batch sizes (default 1, 8, 32).
+        repeats: timed runs per op and batch size; the fastest is kept (default 5).
+        device_type: the table row the profile describes (default: :func:`local_device_type`).
+        threads: torch threads while profiling (None: torch's setting). Default 1: a CPU device is one
+            single-threaded worker process, as the runtime runs it; and on a shared host a second thread
+            waits for a free core at every op, which makes small ops 100x slower.
+        progress: show a progress bar.
+
+    Raises:
+        ValueError: fewer than two batch sizes, CUDA absent, unknown device type, ``threads < 1``.
+    """
+    import torch
+
+    from tagps.strategy.graph import model_graph
+
+    if len(set(batch_sizes)) < 2:
+        raise ValueError(f"a profile needs at least two distinct batch sizes, got {list(batch_sizes)}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    dtype = device_type or local_device_type(device)
+    devices.device_type(dtype)  # an unknown name fails before minutes of profiling
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        times = profile_graph(model, batch_sizes, repeats, device=device, progress=progress)
+        host = {
+            "device": device_name(device),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        }
+    finally:
+        torch.set_num_threads(previous)
+    return Profile.from_times(model_graph(model), dtype, batch_sizes, times, host)
+
