@@ -9,14 +9,15 @@ the same allreduce of the gradient; of an allgather or broadcast, the average of
 allgather of the gradients.
 
 Integer results of an average or of ``prescale_factor``/``postscale_factor`` are truncated toward zero, as
-Horovod's C++ scaling does (the floor, for non-negative values). Before moving data, the ranks exchange
-dtype, shape and the arguments that must agree (op, root), so a mismatch raises ``ValueError`` on every
-rank instead of corrupting the result or aborting a rank inside gloo.
+Horovod's C++ scaling does (the floor, for non-negative values). Before moving data over
+``torch.distributed``, the ranks exchange dtype, shape and the arguments that must agree (op, root), so a
+mismatch raises ``ValueError`` on every rank instead of corrupting the result or aborting a rank inside
+gloo (the summation servers match tensors by key and time out on their own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,9 +144,25 @@ def _scale_(tensor: torch.Tensor, factor: float) -> None:
         tensor.copy_(tensor.double().mul_(factor))
 
 
-def _register(handle: Handle) -> Handle:
-    """Make ``handle`` known to ``poll``/``synchronize``."""
-    ops.state().handles.add(handle)
+_in_flight: dict[str, Handle] = {}  # user-named asynchronous operations, by name
+
+
+def _register(name: str | None, start: Callable[[], Handle]) -> Handle:
+    """Start an asynchronous operation and make its handle known to ``poll``/``synchronize``.
+
+    Raises:
+        ValueError: an operation with the same ``name`` is still in flight (not synchronised), as in Horovod;
+            before anything is sent.
+    """
+    handles = ops.state().handles
+    if name is not None and _in_flight.get(name) in handles:
+        raise ValueError(
+            f"an operation named {name!r} is still in flight: synchronize() it before reusing the name"
+        )
+    handle = start()
+    handles.add(handle)
+    if name is not None:
+        _in_flight[name] = handle
     return handle
 
 
@@ -174,13 +191,20 @@ def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str, inplace: boo
     if inplace and not tensor.is_contiguous():
         raise ValueError("in-place allreduce needs a contiguous tensor")
     group = group_of(spec.process_set)
-    collectives.check_same_layout(tensor.detach(), group, "allreduce", (list(_DIST_OPS).index(spec.op),))
+    on_servers = (
+        spec.op in (Sum, Average)
+        and group is None
+        and tensor.dtype in _PS_DTYPES
+        and ops.default_method(st.cfg) == "ps"
+    )
+    if not on_servers:  # the servers match tensors by key and time out on their own; gloo would abort
+        collectives.check_same_layout(tensor.detach(), group, "allreduce", (list(_DIST_OPS).index(spec.op),))
     out = tensor.detach() if inplace else tensor.detach().clone(memory_format=torch.contiguous_format)
     _scale_(out, spec.prescale)
     work = _wire(out)
     inner: Any
     if spec.op in (Sum, Average) and group is None:
-        method = ops.default_method(st.cfg) if work.dtype in _PS_DTYPES else "allreduce"
+        method = "ps" if on_servers else "allreduce"
         inner = ops.start_sum(
             work, method=method, name=name, priority=spec.priority, compression=spec.compression
         )
@@ -426,7 +450,7 @@ def allreduce_async(
         The handle; ``synchronize(handle)`` returns the result.
     """
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return _register(start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=False))
+    return _register(name, lambda: start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=False))
 
 
 def allreduce_async_(
@@ -440,7 +464,7 @@ def allreduce_async_(
 ) -> Handle:
     """Like :func:`allreduce_async`, writing the result into ``tensor`` (contiguous)."""
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return _register(start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=True))
+    return _register(name, lambda: start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=True))
 
 
 def allreduce(
@@ -491,9 +515,8 @@ def grouped_allreduce_async(
 ) -> Handle:
     """Start reducing every tensor of ``tensors`` (see :func:`allreduce_async`); the result is a list."""
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return _register(
-        _start_grouped_allreduce(_check_tensors(tensors, "grouped_allreduce"), spec, name, False)
-    )
+    tensors = _check_tensors(tensors, "grouped_allreduce")
+    return _register(name, lambda: _start_grouped_allreduce(tensors, spec, name, False))
 
 
 def grouped_allreduce_async_(
@@ -507,7 +530,8 @@ def grouped_allreduce_async_(
 ) -> Handle:
     """Like :func:`grouped_allreduce_async`, in place."""
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return _register(_start_grouped_allreduce(_check_tensors(tensors, "grouped_allreduce"), spec, name, True))
+    tensors = _check_tensors(tensors, "grouped_allreduce")
+    return _register(name, lambda: _start_grouped_allreduce(tensors, spec, name, True))
 
 
 def grouped_allreduce(
@@ -554,7 +578,7 @@ def allgather_async(
     Returns:
         The handle; ``synchronize(handle)`` returns the rows of the set's rank 0, then 1, and so on.
     """
-    return _register(_start_allgather(tensor, process_set)[0])
+    return _register(name, lambda: _start_allgather(tensor, process_set)[0])
 
 
 def allgather(
@@ -570,7 +594,7 @@ def grouped_allgather_async(
 ) -> Handle:
     """Start an allgather of every tensor of ``tensors``; ``synchronize`` returns a list."""
     tensors = _check_tensors(tensors, "grouped_allgather")
-    return _register(_group([_start_allgather(t, process_set)[0] for t in tensors]))
+    return _register(name, lambda: _group([_start_allgather(t, process_set)[0] for t in tensors]))
 
 
 def grouped_allgather(
@@ -595,7 +619,7 @@ def broadcast_async(
         name: accepted for Horovod compatibility.
         process_set: the ranks that take part.
     """
-    return _register(_start_broadcast(tensor, root_rank, process_set, inplace=False))
+    return _register(name, lambda: _start_broadcast(tensor, root_rank, process_set, inplace=False))
 
 
 def broadcast_async_(
@@ -605,7 +629,7 @@ def broadcast_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Like :func:`broadcast_async`, overwriting ``tensor`` (contiguous)."""
-    return _register(_start_broadcast(tensor, root_rank, process_set, inplace=True))
+    return _register(name, lambda: _start_broadcast(tensor, root_rank, process_set, inplace=True))
 
 
 def broadcast(
@@ -647,7 +671,7 @@ def alltoall_async(
         The handle; ``synchronize(handle)`` returns ``(rows received, in rank order; int32 received
         splits)``.
     """
-    return _register(_start_alltoall(tensor, splits, process_set))
+    return _register(name, lambda: _start_alltoall(tensor, splits, process_set))
 
 
 def alltoall(
@@ -681,7 +705,7 @@ def reducescatter_async(
         postscale_factor: multiplies the result.
     """
     spec = reduce_spec(None, op, prescale_factor, postscale_factor, process_set)
-    return _register(_start_reducescatter(tensor, spec, _name(name, "reducescatter")))
+    return _register(name, lambda: _start_reducescatter(tensor, spec, _name(name, "reducescatter")))
 
 
 def reducescatter(
@@ -709,9 +733,8 @@ def grouped_reducescatter_async(
 ) -> Handle:
     """Start a reducescatter of every tensor of ``tensors``; ``synchronize`` returns a list."""
     spec = reduce_spec(None, op, prescale_factor, postscale_factor, process_set)
-    return _register(
-        _start_grouped_reducescatter(_check_tensors(tensors, "grouped_reducescatter"), spec, name)
-    )
+    tensors = _check_tensors(tensors, "grouped_reducescatter")
+    return _register(name, lambda: _start_grouped_reducescatter(tensors, spec, name))
 
 
 def grouped_reducescatter(

@@ -573,6 +573,16 @@ def test_argument_errors(world_of_one: None) -> None:
         hvd.allreduce(torch.ones(2, requires_grad=True), op=hvd.Max).sum().backward()
 
 
+def test_a_name_in_flight_cannot_be_reused(world_of_one: None) -> None:
+    first = hvd.allreduce_async(torch.ones(2), name="grad.w")
+    with pytest.raises(ValueError, match=re.escape("named 'grad.w' is still in flight")):
+        hvd.allreduce_async_(torch.ones(2), name="grad.w")
+    with pytest.raises(ValueError, match=re.escape("named 'grad.w' is still in flight")):
+        hvd.broadcast_async(torch.ones(2), 0, name="grad.w")
+    hvd.synchronize(first)
+    hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="grad.w"))  # free again
+
+
 def test_init_registers_process_sets(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in _LAYOUT:
         monkeypatch.delenv(name, raising=False)
