@@ -428,6 +428,65 @@ def sync_batch_norm_matches_one_process(rank: int, size: int) -> None:
     assert torch.allclose(sync(xs[rank]), ref.eval()(xs[rank]), rtol=1e-5, atol=1e-6)
 
 
+class _Net(nn.Module):
+    """The shape of Horovod's MNIST example net, for 8x8 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc = nn.Linear(4 * 3 * 3, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+        return nn.functional.log_softmax(self.fc(h.flatten(1)), dim=1)
+
+
+@check
+def horovod_example_scripts_flow(rank: int, size: int) -> None:
+    """The calls of Horovod's pytorch_mnist.py and pytorch_imagenet_resnet50.py, in their order, on
+    synthetic data: every replica ends with the same parameters."""
+    gen = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 1, 8, 8, generator=gen), torch.randint(0, 10, (48,), generator=gen)
+    )
+    sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=hvd.size(), rank=hvd.rank())
+    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+    resume_from_epoch = hvd.broadcast(
+        torch.tensor(3 if rank == 0 else 0), root_rank=0, name="resume_from_epoch"
+    )
+    assert resume_from_epoch.item() == 3
+    torch.manual_seed(rank)  # replicas start different; broadcast_parameters makes them equal
+    model = _Net()
+    lr_scaler = hvd.local_size() if hvd.nccl_built() and torch.cuda.is_available() else 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler, momentum=0.5)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    compression = hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        backward_passes_per_step=2,
+        op=hvd.Average,
+        gradient_predivide_factor=1.0,
+    )
+    total = torch.tensor(0.0)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            for i in range(0, len(x), 4):  # ImageNet's sub-batches, one backward pass each
+                loss = nn.functional.nll_loss(model(x[i : i + 4]), y[i : i + 4])
+                loss.div_(2)
+                loss.backward()
+            optimizer.step()
+            total += hvd.allreduce(loss.detach().cpu(), name="avg_loss")  # Horovod's Metric
+    assert torch.isfinite(total)
+    for name, p in model.named_parameters():
+        spread = hvd.allreduce(p.detach(), op=hvd.Max) - hvd.allreduce(p.detach(), op=hvd.Min)
+        assert float(spread.abs().max()) == 0.0, name
+
+
 @check
 def layout_queries(rank: int, size: int) -> None:
     assert (hvd.cross_rank(), hvd.cross_size()) == (rank, size)  # one process per machine here
