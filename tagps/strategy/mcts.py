@@ -223,12 +223,13 @@ class SearchResult:
         time_s: its simulated iteration time.
         baseline: name of the baseline (``dp-nccl``, or ``mp`` when DP-NCCL is out of memory).
         baseline_time_s: the baseline's simulated iteration time.
-        iterations: iterations run.
+        iterations: iterations run (of both phases of a general search, numbered on).
         evaluations: simulations run.
         seconds: wall time of the search.
         iters_to_beat_baseline: first iteration whose best plan was faster than the baseline (None: never).
         history: ``(iteration, best time so far)`` whenever the best improved.
-        samples: searched nodes with their visit counts (for training), when requested.
+        samples: searched nodes with their visit counts (for training), when requested; of the general
+            tree in a two-phase search.
         context: the search context the samples refer to.
     """
 
@@ -532,12 +533,16 @@ def search(
 ) -> SearchResult:
     """Search a strategy for ``sim``'s model and topology with MCTS.
 
+    A general search (``config.data_parallel`` False) with ``config.dp_first`` runs two phases: the
+    data-parallel search, then a general tree seeded with its best plan; the faster plan wins.
+
     Args:
         sim: the simulator (graph, grouping and topology).
         batch: global batch size (>= 1).
         config: budget and hyperparameters (default :class:`SearchConfig`).
         model: prior over actions (e.g. :class:`tagps.strategy.gnn.GNNPrior`); uniform when None.
-        progress: called after every iteration with ``(iteration, best time so far or None)``.
+        progress: called after every iteration with ``(iteration, best time so far or None)``;
+            iterations are numbered on across phases up to ``config.total_iterations``.
         keep_samples: return the searched nodes' visit distributions (training data).
 
     Returns:
