@@ -45,6 +45,7 @@ from tagps.torch.functions import broadcast_object, broadcast_optimizer_state, b
 from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum
 from tagps.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from tagps.torch.sync_batch_norm import SyncBatchNorm
+from tagps.torch.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Adasum",
@@ -118,6 +119,8 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]
 
@@ -142,7 +145,8 @@ def init(comm: object = None, process_sets: list[ProcessSet] | None = None) -> N
 
 
 def shutdown() -> None:
-    """Finish outstanding operations and leave the job."""
+    """Finish outstanding operations, write the timeline if one is recorded, and leave the job."""
+    stop_timeline()
     process_sets.reset()
     ops.shutdown()
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tagps.comm import collectives
 from tagps.comm.handle import CompletedWork, Handle
-from tagps.torch import ops
+from tagps.torch import ops, timeline
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.optimizer import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
@@ -222,14 +222,16 @@ def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str, inplace: boo
         _scale_(out, post)
         return tensor if inplace else out  # the caller's object, as Horovod returns it
 
-    return Handle([inner], finish, keep=(tensor,))
+    return timeline.traced(Handle([inner], finish, keep=(tensor,)), "ALLREDUCE", name)
 
 
 def _start_grouped_allreduce(
     tensors: Sequence[torch.Tensor], spec: _Reduce, name: str | None, inplace: bool
 ) -> Handle:
-    base = _name(name, "grouped_allreduce")
-    return _group([start_allreduce(t, spec, f"{base}.{i}", inplace) for i, t in enumerate(tensors)])
+    base = _name(name, "allreduce")
+    # One tensor (allreduce() goes through here too) keeps the name as given.
+    names = [base] if len(tensors) == 1 else [f"{base}.{i}" for i in range(len(tensors))]
+    return _group([start_allreduce(t, spec, n, inplace) for t, n in zip(tensors, names, strict=True)])
 
 
 def _start_allgather(tensor: torch.Tensor, process_set: ProcessSet) -> tuple[Handle, list[int]]:
@@ -245,7 +247,7 @@ def _start_allgather(tensor: torch.Tensor, process_set: ProcessSet) -> tuple[Han
         rows = result()
         return rows.clone() if rows is src else rows.to(tensor.dtype)
 
-    return Handle([work], finish, keep=(src,)), counts
+    return timeline.traced(Handle([work], finish, keep=(src,)), "ALLGATHER", "allgather"), counts
 
 
 def _start_broadcast(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet, inplace: bool) -> Handle:
@@ -268,7 +270,7 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, process_set: ProcessS
             out.copy_(wire)
         return tensor if inplace else out
 
-    return Handle([work], finish, keep=(wire,))
+    return timeline.traced(Handle([work], finish, keep=(wire,)), "BROADCAST", "broadcast")
 
 
 def _start_alltoall(
@@ -295,11 +297,12 @@ def _start_alltoall(
             )
     src = _wire(tensor.detach().contiguous())
     work, out, counts = collectives.all_to_all_rows_async(src, send, group)
-    return Handle(
+    handle = Handle(
         [work],
         lambda: (out.to(tensor.dtype), torch.tensor(counts, dtype=torch.int32)),  # type: ignore[arg-type, return-value]
         keep=(src, out),
     )
+    return timeline.traced(handle, "ALLTOALL", "alltoall")
 
 
 def _start_reducescatter(tensor: torch.Tensor, spec: _Reduce, name: str) -> Handle:

@@ -28,7 +28,7 @@ from torch import nn
 
 from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
-from tagps.torch import ops
+from tagps.torch import ops, timeline
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 from tagps.torch.strategy import resolve_strategy
@@ -217,6 +217,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Wait for the gradients still in flight (unless inside :meth:`skip_synchronize`), then step."""
+        timeline.mark_cycle()
         if self._sync_in_step:
             self.synchronize()
         self._synchronized = False
@@ -283,6 +284,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         while self._next < len(self._units) and all(p in self._ready for p in self._units[self._next]):
             unit = self._units[self._next]
             handle = self._launch(unit[0]) if len(unit) == 1 else self._launch_fused(self._next, unit)
+            handle = timeline.traced(handle, self._method[unit[0]].upper(), self._unit_key(unit))
             for p in unit:
                 self._handles[p] = handle
             self._next += 1

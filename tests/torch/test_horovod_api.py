@@ -642,6 +642,31 @@ def test_a_name_in_flight_cannot_be_reused(world_of_one: None) -> None:
     hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="grad.w"))  # free again
 
 
+def test_timeline_records_every_collective_and_gradient(world_of_one: None, tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    hvd.start_timeline(str(path), mark_cycles=True)
+    hvd.allreduce(torch.ones(2), name="loss")
+    hvd.synchronize(hvd.allgather_async(torch.ones(2)))
+    hvd.broadcast(torch.ones(2), 0)
+    hvd.alltoall(torch.ones(2))
+    model = nn.Linear(2, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert not path.exists()  # written when recording stops
+    hvd.stop_timeline()
+    events = json.loads(path.read_text())
+    names = [(e["name"], e.get("args", {}).get("tensor")) for e in events]
+    assert ("ALLREDUCE", "loss") in names and ("CYCLE_START", None) in names
+    assert {"ALLGATHER", "BROADCAST", "ALLTOALL"} <= {n for n, _ in names}
+    assert any(n == "ALLREDUCE" and t.startswith("opt") for n, t in names if t)  # the optimizer's bucket
+    assert all(e["ph"] in ("X", "i") and e["ts"] >= 0 and e["pid"] == 0 for e in events)
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    hvd.allreduce(torch.ones(2))
+    hvd.stop_timeline()  # stopping twice is harmless; nothing more is recorded
+    assert json.loads(path.read_text()) == events
+
+
 def test_init_registers_process_sets(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in _LAYOUT:
         monkeypatch.delenv(name, raising=False)
