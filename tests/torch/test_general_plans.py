@@ -119,11 +119,13 @@ def run(
     workers: int,
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
+    servers: int = 0,
 ) -> list[dict[str, Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "cases.json").write_text(json.dumps(cases))
     cmd = [
-        sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", "0", "--grace", "2",
+        sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", str(servers),
+        "--grace", "2",
         "--",
         sys.executable, str(WORKER), "--cases", str(tmp / "cases.json"), "--out", str(tmp),
     ]  # fmt: skip
@@ -330,3 +332,46 @@ def test_ranks_launched_on_the_wrong_devices_are_refused_naming_both(tmp_path: P
     for res in results:
         assert res["swap"].get("type") == "PlanError"
         assert "rank 0 is plan device 'a:0' but was launched as TAGPS_DEVICE='a:1'" in res["swap"]["error"]
+
+
+# ---------------------------------------------------------------- random plans from the search space
+
+
+def random_cases(count: int = 8) -> list[dict[str, Any]]:
+    """Random general plans (placement and option per op group) on a 2 + 1 device topology."""
+    import random
+
+    import torch
+
+    from tagps.strategy.baselines import random_plan
+    from tagps.strategy.graph import extract_graph
+    from tagps.strategy.grouping import group_ops
+    from tagps.strategy.simulator import Simulator
+
+    rng = random.Random(7)
+    cases = []
+    for kind, example in (("mlp", torch.zeros(1, 12)), ("cnn", torch.zeros(1, 3, 16, 16))):
+        graph = extract_graph(general_worker.make_model(kind), (example,), kind)
+        sim = Simulator(graph, group_ops(graph, 4), topology({"a": 2, "b": 1}))
+        for i in range(count // 2):
+            plan = random_plan(sim, 6, rng, sfb_fraction=0.15)
+            cases.append({"name": f"{kind}-{i}", "model": kind, "plan": plan.to_dict(), "steps": 2})
+    return cases
+
+
+def test_random_plans_train_exactly_or_are_refused_by_name(tmp_path: Path) -> None:
+    cases = random_cases()
+    by_size: dict[int, list[dict[str, Any]]] = {}
+    for case in cases:
+        by_size.setdefault(len(Plan.from_dict(case["plan"]).worker_devices()), []).append(case)
+    trained = 0
+    for size, group in sorted(by_size.items()):
+        results = run(tmp_path / str(size), group, size, servers=1)
+        for case in group:
+            name = case["name"]
+            if results[0][name].get("type") == "PlanError":
+                assert all(r[name].get("type") == "PlanError" for r in results), (name, results)
+                continue
+            assert_parity(results, name)
+            trained += 1
+    assert trained >= len(cases) // 2, f"only {trained} of {len(cases)} random plans trained"
