@@ -337,11 +337,12 @@ class Simulator:
         """Build the compute tables: per-op profile fits per device type, and their sums per op group.
 
         A device type's fits are ``(a_fwd, c_fwd, a_bwd, c_bwd)`` per op where a profile applies (else
-        None: the roofline); summed per (device group, op group) once, :meth:`group_time` is then two
+        None: the roofline); summed per (device type, op group) once, :meth:`group_time` is then two
         multiply-adds.
         """
         graph = self.graph
         self._op_fits: dict[DeviceType, list[tuple[float, float, float, float]] | None] = {}
+        sums: dict[DeviceType, list[tuple[float, float, float, float]] | None] = {}
         for dtype in self.dtypes:
             if dtype in self._op_fits:
                 continue
@@ -354,24 +355,19 @@ class Simulator:
             if profile is not None and profile.peak_flops != dtype.peak_flops:
                 fits = None  # another peak (a CPU under a cgroup quota, a measured cluster): another device
             self._op_fits[dtype] = fits
-        self._group_fits: list[list[tuple[float, float, float, float]] | None] = []
+            sums[dtype] = None if fits is None else [
+                (
+                    sum(fits[i][0] for i in g.ops),
+                    sum(fits[i][1] for i in g.ops),
+                    sum(fits[i][2] for i in g.ops),
+                    sum(fits[i][3] for i in g.ops),
+                )
+                for g in self.groups
+            ]
+        self._group_fits = [sums[dtype] for dtype in self.dtypes]  # per device group
         sources: dict[str, set[str]] = {}
-        for dtype in self.dtypes:
-            fits = self._op_fits[dtype]
+        for dtype, fits in self._op_fits.items():
             sources.setdefault(dtype.name, set()).add("roofline" if fits is None else "profile")
-            self._group_fits.append(
-                None
-                if fits is None
-                else [
-                    (
-                        sum(fits[i][0] for i in g.ops),
-                        sum(fits[i][1] for i in g.ops),
-                        sum(fits[i][2] for i in g.ops),
-                        sum(fits[i][3] for i in g.ops),
-                    )
-                    for g in self.groups
-                ]
-            )
         self.compute_sources = {name: " + ".join(sorted(kinds)) for name, kinds in sources.items()}
 
     @classmethod
