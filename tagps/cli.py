@@ -356,7 +356,11 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
+    from tagps.strategy.graph import model_graph
+    from tagps.strategy.grouping import grouping_from_names
     from tagps.strategy.profiles import build_profile, profile_path
+    from tagps.strategy.simulator import Simulator
+    from tagps.strategy.topology import DeviceGroup, Topology
 
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -371,13 +375,18 @@ def _run_profile(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tagps profile: {exc}", file=sys.stderr)
         return 2
+    # What the simulator would say without the profile: one device of that type, every op in one group.
+    graph = model_graph(profile.model)
+    one = Topology("profiled", (DeviceGroup("device", profile.device_type, 1, 1.0),), 1.0)
+    roofline = Simulator(graph, grouping_from_names(graph, [[op.name for op in graph.ops]]), one, profiles={})
     print(f"profiled {profile.model} on {profile.device_type} ({profile.host['device']}), "
           f"{len(profile.ops)} ops, forward + backward summed:")
-    print(f"{'batch':>6} {'measured ms':>12} {'fitted ms':>10}")
+    print(f"{'batch':>6} {'measured ms':>12} {'fitted ms':>10} {'roofline ms':>12}")
     for k, b in enumerate(profile.batch_sizes):
         measured = sum(op.fwd_s[k] + op.bwd_s[k] for op in profile.ops)
         fitted = sum(sum(op.time(b)) for op in profile.ops)
-        print(f"{b:>6} {measured * 1e3:>12.3f} {fitted * 1e3:>10.3f}")
+        roof = sum(roofline.group_time(0, 0, float(b)))
+        print(f"{b:>6} {measured * 1e3:>12.3f} {fitted * 1e3:>10.3f} {roof * 1e3:>12.3f}")
     print(f"profile written to {path}; the simulator costs {profile.model} on {profile.device_type} with it")
     return 0
 

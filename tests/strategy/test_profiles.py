@@ -202,7 +202,7 @@ def test_cli_profile_writes_a_profile_the_simulator_uses(tmp_path, capsys):
     assert main(["profile", "--model", "mlp-mini", "--batches", "1,2", "--repeats", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
     path = profile_path("mlp-mini", "CPU")
-    assert f"profile written to {path}" in out and "measured ms" in out
+    assert f"profile written to {path}" in out and "measured ms" in out and "roofline ms" in out
     profile = load_profile(path)
     assert profile.batch_sizes == (1, 2) and profile.device_type == "CPU"
     assert [op.name for op in profile.ops] == [op.name for op in model_graph("mlp-mini").ops]
