@@ -198,12 +198,12 @@ def _table(
     general = [r for r in runs if r["plan"]["kind"] == "general"]
     lines += [f"{r['model']} {r['strategy']}: {r['plan']['layout']}" for r in general]
     lines.append("")
-    lines.append(f"{'figure':<36} {'value':>8} {'target':>8}  status")
+    lines.append(f"{'figure':<42} {'value':>8} {'target':>8}  status")
     for name, value in figures.items():
         target = TARGETS.get(name)
         shown = "n/a" if value is None else f"{value:.3f}"
         bound = "" if target is None else f"{'>=' if target[1] == 'min' else '<='} {target[0]}"
-        lines.append(f"{name:<36} {shown:>8} {bound:>8}  {_status(name, value)}")
+        lines.append(f"{name:<42} {shown:>8} {bound:>8}  {_status(name, value)}")
     lines += [f"skipped {part}: {reason}" for part, reason in skipped.items()]
     return "\n".join(lines)
 
