@@ -300,7 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 plans[key][name].save(path)
                 worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan", str(path),
                           "--runtime", runtime, "--steps", str(steps), "--warmup", "3"]  # fmt: skip
-                job_commands[(key, name)] = f"tagps cluster run {spec_file} -- {shlex.join(worker)}"
+                # --plan: the plan's devices and servers, not every device of the spec
+                job = f"tagps cluster run --plan {path} {spec_file} -- {shlex.join(worker)}"
+                job_commands[(key, name)] = job
                 commands.append(job_commands[(key, name)])
         best: dict[tuple[str, str], dict[str, Any]] = {}
         for rnd in range(rounds):
