@@ -12,11 +12,17 @@ are numbered in sorted-name order at the next *declaration point* (the next :met
 :meth:`~PSClient.barrier` or :meth:`~PSClient.flush_declarations`), where every worker sends INIT for
 each chunk and waits until all workers did. So every worker must declare the same set of names before the
 same declaration point; the usual pattern is to declare every tensor, then call :meth:`~PSClient.barrier`.
+
+A tensor declared with ``workers=`` is summed over those workers only, and only they declare it. Its key
+cannot come from the shared numbering (the other workers never see it), so its index is a hash of its name
+with bit 47 set, disjoint from the numbered indices; a worker that declares it with another worker set thus
+gets the same key, and the server reports the disagreement.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import heapq
 import itertools
 import json
@@ -24,6 +30,7 @@ import logging
 import numbers
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,12 +42,15 @@ from tagps.config import PSConfig, ps_config
 from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
 from tagps.ps.protocol import (
     FLAG_AVERAGE,
+    FLAG_WORKERS,
     MAX_CHUNKS,
     Op,
     ProtocolError,
+    check_workers,
     describe_node,
     dtype_code,
     pack_header,
+    pack_workers,
     routing_id,
     unpack_header,
 )
@@ -49,6 +59,9 @@ from tagps.ps.transport import Security, keep_freed_buffers, resolve_host
 __all__ = ["Handle", "PSClient", "key_to_server"]
 
 log = logging.getLogger(__name__)
+
+#: Bit of a tensor index that marks a key of a worker subset (hashed from its name, see the module doc).
+_SUBSET_INDEX = 1 << 47
 
 _FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), np.dtype(np.uint16)})
 
@@ -96,6 +109,7 @@ class _Tensor:
     nbytes: int
     dtype: np.dtype
     init: np.ndarray | None
+    workers: tuple[int, ...] | None  # None: every worker
     index: int = -1
     chunks: list[_Chunk] = field(default_factory=list)
     active: Handle | None = None
@@ -167,7 +181,10 @@ class PSClient:
         self._tensors: dict[str, _Tensor] = {}
         self._pending: list[_Tensor] = []
         self._next_index = 0
-        self._server_bytes = [0] * len(self._servers)
+        # Bytes per server for BYTEPS_KEY_HASH_FN=balanced, per worker set: every worker of a set sees the
+        # same declarations of that set, but not of the sets it is not in.
+        self._server_bytes: dict[tuple[int, ...] | None, list[int]] = {}
+        self._subset_names: dict[int, str] = {}  # index -> name of the subset tensors: hash collisions
         self._api_lock = threading.Lock()  # serializes declaration points, barriers and close
         # User threads → I/O thread.
         self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -202,18 +219,29 @@ class PSClient:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def declare(self, name: str, nbytes: int, dtype: Any, init: np.ndarray | None = None) -> None:
+    def declare(
+        self,
+        name: str,
+        nbytes: int,
+        dtype: Any,
+        init: np.ndarray | None = None,
+        workers: Sequence[int] | None = None,
+    ) -> None:
         """Declare a tensor; its keys are assigned at the next declaration point (see the module doc).
 
         Args:
-            name: unique name, the same on every worker.
+            name: unique name, the same on every worker that declares it.
             nbytes: size in bytes (a multiple of the element size; 0 makes push_pull a no-op).
             dtype: numpy dtype (``uint16`` holds bfloat16).
             init: initial value kept by the servers (used in async mode and with a server-side
-                optimizer, where pulls return the stored weights); worker 0's wins. Default: zeros.
+                optimizer, where pulls return the stored weights); the lowest worker's wins. Default: zeros.
+            workers: the worker ids (``DMLC_WORKER_ID``) that push and pull the tensor, this one included;
+                only they declare it, all with the same set, and ``average`` divides by their number.
+                Default ``None``: every worker.
 
         Raises:
-            ValueError: duplicate name, bad size or ``init`` of the wrong size.
+            ValueError: duplicate name, bad size, ``init`` of the wrong size, a worker set that is empty,
+                out of range or without this worker, or a name whose subset key is another name's.
             TypeError: unsupported dtype, or a size that is not an integer.
         """
         self._check_open()
@@ -236,14 +264,39 @@ class PSClient:
                 raise ValueError(
                     f"init for {name!r} must hold {nbytes} bytes of {dt}, got {init.nbytes} of {init.dtype}"
                 )
-        tensor = _Tensor(name, nbytes, dt, init)
+        subset = None if workers is None else self._check_workers(name, workers)
+        tensor = _Tensor(name, nbytes, dt, init, subset)
         count = -(-nbytes // self._chunk_bytes(tensor))
         if count > MAX_CHUNKS:
             raise ValueError(
                 f"{name!r} needs {count} chunks of BYTEPS_PARTITION_BYTES={self.config.partition_bytes}, "
                 f"more than {MAX_CHUNKS}; raise BYTEPS_PARTITION_BYTES"
             )
+        if subset is not None:
+            digest = hashlib.blake2b(name.encode(), digest_size=6).digest()
+            tensor.index = _SUBSET_INDEX | int.from_bytes(digest, "little") & (_SUBSET_INDEX - 1)
+            other = self._subset_names.get(tensor.index)
+            if other is not None:
+                raise ValueError(f"{name!r} and {other!r} hash to the same subset key; rename one")
+            self._subset_names[tensor.index] = name
         self._pending.append(tensor)
+
+    def _check_workers(self, name: str, workers: Sequence[int]) -> tuple[int, ...]:
+        """Return ``workers`` as an ascending tuple, checked against the job and this worker."""
+        if isinstance(workers, (str, bytes)) or not all(
+            isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in workers
+        ):
+            raise TypeError(f"workers for {name!r} must be a sequence of worker ids, got {workers!r}")
+        try:
+            subset = check_workers(tuple(sorted({int(w) for w in workers})), self.num_workers)
+        except ProtocolError as exc:
+            raise ValueError(f"workers for {name!r}: {exc}") from None
+        if self.worker_id not in subset:
+            raise ValueError(
+                f"worker {self.worker_id} declares {name!r} for the workers {list(subset)}: only the "
+                "workers that push a tensor declare it"
+            )
+        return subset
 
     def flush_declarations(self) -> None:
         """Assign keys to the pending declarations and register them with the servers (collective)."""
@@ -251,14 +304,14 @@ class PSClient:
             self._flush_locked()
 
     def push_pull(self, name: str, buffer: np.ndarray, average: bool = True, priority: int = 0) -> Handle:
-        """Start summing ``buffer`` over all workers; the result lands in ``buffer`` in place.
+        """Start summing ``buffer`` over the tensor's workers; the result lands in ``buffer`` in place.
 
         Do not touch ``buffer`` until :meth:`wait` returns: its bytes are sent zero-copy.
 
         Args:
             name: a declared tensor.
             buffer: C-contiguous, writable array of the declared dtype and size.
-            average: have the servers divide the sum by the number of workers (ignored in async mode and
+            average: have the servers divide the sum by the number of its workers (ignored in async mode and
                 with a server-side optimizer, where the result is the stored weights).
             priority: lower values are sent first (default 0).
 
@@ -380,8 +433,9 @@ class PSClient:
         self._pending = []
         for tensor in pending:
             count = -(-tensor.nbytes // self._chunk_bytes(tensor))
-            tensor.index = self._next_index
-            self._next_index += 1
+            if tensor.workers is None:
+                tensor.index = self._next_index
+                self._next_index += 1
             total = tensor.nbytes // tensor.dtype.itemsize
             for c in range(count):
                 # Equal chunks (within one element) rather than full ones plus a remainder: a 4 MiB tensor
@@ -389,9 +443,8 @@ class PSClient:
                 # half while the second arrives (measured 2 workers x 1 server: 4.9 -> 4.3 ms).
                 key = (tensor.index << 16) + c
                 start, stop = c * total // count, (c + 1) * total // count
-                tensor.chunks.append(
-                    _Chunk(key, self._pick_server(key, (stop - start) * tensor.dtype.itemsize), start, stop)
-                )
+                server = self._pick_server(key, (stop - start) * tensor.dtype.itemsize, tensor.workers)
+                tensor.chunks.append(_Chunk(key, server, start, stop))
             self._tensors[tensor.name] = tensor
         declared = [t for t in pending if t.chunks]
         if declared:
@@ -404,12 +457,13 @@ class PSClient:
         itemsize = tensor.dtype.itemsize
         return max(itemsize, self.config.partition_bytes // itemsize * itemsize)
 
-    def _pick_server(self, key: int, nbytes: int) -> int:
+    def _pick_server(self, key: int, nbytes: int, workers: tuple[int, ...] | None) -> int:
+        loads = self._server_bytes.setdefault(workers, [0] * len(self._servers))
         if self.config.key_hash_fn == "balanced":
-            server = min(range(len(self._servers)), key=lambda s: (self._server_bytes[s], s))
+            server = min(range(len(self._servers)), key=lambda s: (loads[s], s))
         else:
             server = key_to_server(key, len(self._servers), self.config.key_hash_fn)
-        self._server_bytes[server] += nbytes
+        loads[server] += nbytes
         return server
 
     # -- I/O thread ---------------------------------------------------------------------------
@@ -493,12 +547,18 @@ class PSClient:
         keys = []
         for tensor in tensors:
             code = dtype_code(tensor.dtype)
+            flags = 0 if tensor.workers is None else FLAG_WORKERS
             for chunk in tensor.chunks:
                 nbytes = (chunk.stop - chunk.start) * tensor.dtype.itemsize
-                # The declared size travels in nbytes; the initial value, when given, as the payload.
+                # The declared size travels in nbytes; the worker set, when given, and the initial value,
+                # when given, as payload frames in that order.
                 frames: list[Any] = [
-                    pack_header(Op.INIT, sender=self.node_id, key=chunk.key, dtype=code, nbytes=nbytes)
+                    pack_header(
+                        Op.INIT, sender=self.node_id, key=chunk.key, dtype=code, nbytes=nbytes, flags=flags
+                    )
                 ]
+                if tensor.workers is not None:
+                    frames.append(pack_workers(tensor.workers))
                 if tensor.init is not None:
                     frames.append(tensor.init[chunk.start : chunk.stop])
                 self._servers[chunk.server].send_multipart(frames, copy=False)

@@ -16,6 +16,10 @@ document on the control plane). The header is little-endian::
     20     8    round    synchronous round of the key (barrier sequence on the control plane)
     28     8    nbytes   byte length of the payload frame
 
+An INIT with :data:`FLAG_WORKERS` declares a key pushed by a subset of the workers: its first payload frame
+lists them (:func:`pack_workers`), the optional initial value follows. A node that predates the flag
+refuses such an INIT as carrying unknown flags instead of misreading it.
+
 :func:`unpack_header` checks every field; a malformed message raises :class:`ProtocolError`, which the
 receiver turns into an :attr:`Op.ERROR` reply to the sender.
 """
@@ -23,6 +27,7 @@ receiver turns into an :attr:`Op.ERROR` reply to the sender.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import struct
 from typing import Any, NamedTuple
@@ -33,6 +38,7 @@ __all__ = [
     "FLAG_ASYNC",
     "FLAG_AVERAGE",
     "FLAG_SERVER_OPTIMIZER",
+    "FLAG_WORKERS",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_CHUNKS",
@@ -43,15 +49,18 @@ __all__ = [
     "Header",
     "Op",
     "ProtocolError",
+    "check_workers",
     "describe_node",
     "dtype_code",
     "numpy_dtype",
     "pack_header",
     "pack_json",
+    "pack_workers",
     "routing_id",
     "server_node_id",
     "unpack_header",
     "unpack_json",
+    "unpack_workers",
     "worker_node_id",
 ]
 
@@ -69,7 +78,10 @@ FLAG_SERVER_OPTIMIZER = 1
 FLAG_ASYNC = 2
 #: PUSH flag: the worker wants the mean (the server divides the round's sum by the number of workers).
 FLAG_AVERAGE = 4
-_FLAGS_MASK = FLAG_SERVER_OPTIMIZER | FLAG_ASYNC | FLAG_AVERAGE
+#: INIT flag: the first payload frame names the workers that push the key (default: every worker).
+FLAG_WORKERS = 8
+_FLAGS_MASK = FLAG_SERVER_OPTIMIZER | FLAG_ASYNC | FLAG_AVERAGE | FLAG_WORKERS
+_WORKER_ID = struct.Struct("<I")
 
 SCHEDULER_NODE_ID = 1
 
@@ -207,6 +219,37 @@ def unpack_json(header: Header, frames: list[Any]) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise ProtocolError("payload is not a JSON object")
     return document
+
+
+def pack_workers(workers: tuple[int, ...]) -> bytes:
+    """Encode the worker set of an INIT with :data:`FLAG_WORKERS`: ascending ids as little-endian uint32."""
+    return b"".join(_WORKER_ID.pack(w) for w in workers)
+
+
+def unpack_workers(frame: bytes | memoryview, num_workers: int) -> tuple[int, ...]:
+    """Decode and validate a worker set frame (see :func:`pack_workers`).
+
+    Raises:
+        ProtocolError: not a multiple of 4 bytes, or not a valid set (see :func:`check_workers`).
+    """
+    raw = bytes(frame)
+    if len(raw) % _WORKER_ID.size:
+        raise ProtocolError(f"worker set frame has {len(raw)} bytes, expected a multiple of 4")
+    return check_workers(tuple(w for (w,) in _WORKER_ID.iter_unpack(raw)), num_workers)
+
+
+def check_workers(workers: tuple[int, ...], num_workers: int) -> tuple[int, ...]:
+    """Return ``workers`` if it is a worker set: non-empty, strictly ascending ids in ``[0, num_workers)``.
+
+    Raises:
+        ProtocolError: (a ``ValueError``) it is not.
+    """
+    ascending = all(a < b for a, b in itertools.pairwise(workers))
+    if not workers or not ascending or workers[0] < 0 or workers[-1] >= num_workers:
+        raise ProtocolError(
+            f"worker set {list(workers)} must be non-empty, ascending, in [0, DMLC_NUM_WORKER={num_workers})"
+        )
+    return workers
 
 
 def server_node_id(rank: int) -> int:

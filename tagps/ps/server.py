@@ -5,6 +5,9 @@ routes the message to the engine thread that owns its key (keys go to the least-
 when first declared), and forwards the engines' replies. Engine threads own the per-key state and do every
 sum with :func:`tagps.kernels.sum_into` (which releases the GIL, so engines really run in parallel).
 
+A key is pushed by every worker unless its INIT named a subset of them (``FLAG_WORKERS``); "every worker"
+below means the key's workers, and its mean divides by their number.
+
 Sync mode: pushes of round ``r`` are held (zero-copy) until every worker pushed; then they are summed in
 one pass into the first received message buffer (float16/bfloat16 accumulate in float32 and round once),
 divided by the number of workers when the pushes ask for the mean, and the pulls waiting for round ``r`` are
@@ -41,14 +44,17 @@ from tagps.ps.protocol import (
     FLAG_ASYNC,
     FLAG_AVERAGE,
     FLAG_SERVER_OPTIMIZER,
+    FLAG_WORKERS,
     DType,
     Op,
     ProtocolError,
+    check_workers,
     numpy_dtype,
     pack_header,
     routing_id,
     server_node_id,
     unpack_header,
+    unpack_workers,
 )
 from tagps.ps.transport import Security, bind_random_port, keep_freed_buffers, resolve_host
 
@@ -56,18 +62,20 @@ __all__ = ["SummationServer"]
 
 log = logging.getLogger(__name__)
 
-_CHECKPOINT_VERSION = 1
+# Version 2 added each key's worker set; version 1 checkpoints (every key on every worker) still restore.
+_CHECKPOINT_VERSION = 2
 
 
 @dataclass
 class _Key:
-    """Per-key state. ``dtype``/``nbytes``/``engine`` are fixed at declaration; the rest is engine-owned."""
+    """Per-key state. ``dtype``/``nbytes``/``engine``/``workers`` are fixed at declaration; the rest is
+    engine-owned. Per-worker arrays (``counts``, ``pushed``) are indexed by ``slot[worker]``."""
 
     key: int
     dtype: int
     nbytes: int
     engine: int
-    num_workers: int
+    workers: tuple[int, ...]  # the workers that push and pull this key, ascending
     value: np.ndarray | None = None
     result: Any = None  # sync mode: what pulls of the last completed round get (a Frame or an array)
     average: bool = False  # sync mode: the pushes of the current round ask for the mean
@@ -82,6 +90,14 @@ class _Key:
     inits: dict[int, Any] = field(default_factory=dict)
     init_waiters: list[tuple[bytes, int]] = field(default_factory=list)
     counts: np.ndarray | None = None
+    slot: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slot = {w: i for i, w in enumerate(self.workers)}
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
 
 
 class _Reject(Exception):
@@ -206,20 +222,36 @@ class SummationServer:
         identity = frames[0].bytes
         header = None
         try:
-            if len(frames) not in (2, 3):
-                raise ProtocolError(
-                    f"expected header and at most one payload frame, got {len(frames) - 1} frames"
-                )
+            if len(frames) < 2:
+                raise ProtocolError("expected a header frame, got none")
             header = unpack_header(frames[1].buffer)
+            # An INIT with FLAG_WORKERS carries the worker set before its optional initial value.
+            subset = header.flags & FLAG_WORKERS
+            if subset and header.op != Op.INIT:
+                raise ProtocolError(f"FLAG_WORKERS on {Op(header.op).name}; only INIT carries a worker set")
+            if not 2 + bool(subset) <= len(frames) <= 3 + bool(subset):
+                raise ProtocolError(
+                    f"expected header, {'worker set, ' if subset else ''}and at most one payload frame, "
+                    f"got {len(frames) - 1} frames"
+                )
             worker = self._worker_index(identity, header.sender)
-            payload = frames[2] if len(frames) == 3 else None
+            payload = frames[-1] if len(frames) == 3 + bool(subset) else None
             size = len(payload.buffer) if payload is not None else 0
             if header.op == Op.INIT:
-                state = self._declare(header, size)
+                declared = (
+                    unpack_workers(frames[2].buffer, self.config.num_workers)
+                    if subset
+                    else tuple(range(self.config.num_workers))
+                )
+                state = self._declare(header, size, worker, declared)
             elif header.op in (Op.PUSH, Op.PULL):
                 state = self.keys.get(header.key)
                 if state is None:
                     raise ProtocolError(f"key {header.key} was never declared (send INIT first)")
+                if worker not in state.slot:
+                    raise ProtocolError(
+                        f"worker {worker} is not among the workers {list(state.workers)} of key {header.key}"
+                    )
                 if header.dtype != state.dtype:
                     raise ProtocolError(f"dtype code {header.dtype} but key {header.key} holds {state.dtype}")
                 if header.flags & FLAG_AVERAGE and state.dtype in (DType.INT32, DType.INT64):
@@ -253,8 +285,12 @@ class SummationServer:
             raise ProtocolError(f"sender {sender} does not match the connection's identity {identity!r}")
         return worker
 
-    def _declare(self, header: Any, payload_size: int) -> _Key:
+    def _declare(self, header: Any, payload_size: int, worker: int, workers: tuple[int, ...]) -> _Key:
         key, dtype = header.key, header.dtype
+        if worker not in workers:
+            raise ProtocolError(
+                f"worker {worker} sent INIT of key {key} for the workers {list(workers)}, which exclude it"
+            )
         if dtype == 0:
             raise ProtocolError("INIT needs a dtype")
         itemsize = numpy_dtype(dtype).itemsize
@@ -274,12 +310,17 @@ class SummationServer:
         if state is None:
             engine = min(range(len(self._loads)), key=self._loads.__getitem__)
             self._loads[engine] += header.nbytes
-            state = _Key(key, dtype, header.nbytes, engine, self.config.num_workers)
+            state = _Key(key, dtype, header.nbytes, engine, workers)
             self.keys[key] = state
         elif (state.dtype, state.nbytes) != (dtype, header.nbytes):
             raise ProtocolError(
                 f"key {key} is declared as {state.nbytes} bytes of dtype {state.dtype}; "
                 f"this INIT says {header.nbytes} bytes of dtype {dtype}"
+            )
+        elif state.workers != workers:
+            raise ProtocolError(
+                f"key {key} is declared for the workers {list(state.workers)}; this INIT from worker "
+                f"{worker} says {list(workers)}"
             )
         return state
 
@@ -334,7 +375,7 @@ class SummationServer:
         st.inits.clear()
         st.ready = True
         for ident, w in st.init_waiters:
-            round = int(st.counts[w]) if self.config.enable_async else st.round
+            round = int(st.counts[st.slot[w]]) if self.config.enable_async else st.round
             head = pack_header(
                 Op.INIT_ACK, sender=self.node_id, key=st.key, round=round, dtype=st.dtype, flags=self.flags
             )
@@ -349,16 +390,15 @@ class SummationServer:
         self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, header: Any, payload: Any
     ) -> None:
         round, average = header.round, bool(header.flags & FLAG_AVERAGE)
+        slot = st.slot[worker]
         if not st.ready or st.counts is None:
             raise _Reject(f"PUSH of key {st.key} before every worker declared it")
         if self.config.enable_async:
-            if round != st.counts[worker]:
-                raise _Reject(
-                    f"PUSH of key {st.key} round {round}; worker {worker} is at {st.counts[worker]}"
-                )
+            if round != st.counts[slot]:
+                raise _Reject(f"PUSH of key {st.key} round {round}; worker {worker} is at {st.counts[slot]}")
         elif round != st.round:
             raise _Reject(f"PUSH of key {st.key} for round {round} while the key is at round {st.round}")
-        elif st.pushed[worker]:
+        elif st.pushed[slot]:
             raise _Reject(f"worker {worker} pushed key {st.key} twice in round {round}")
         elif st.frames and average != st.average:
             raise _Reject(f"workers disagree on average= for key {st.key} round {round}")
@@ -369,10 +409,10 @@ class SummationServer:
                 self.optimizer.step(st.value, grad, st.opt)
             else:
                 kernels.sum_into(st.value, grad)
-            st.counts[worker] += 1
+            st.counts[slot] += 1
             self._answer_ready_pulls(out, st)
             return
-        st.pushed[worker] = 1
+        st.pushed[slot] = 1
         st.average = average
         st.frames.append(payload)
         if len(st.frames) < st.num_workers:
@@ -400,7 +440,7 @@ class SummationServer:
         if not st.ready or st.counts is None:
             raise _Reject(f"PULL of key {st.key} before every worker declared it")
         if self.config.enable_async:
-            if round + 1 != st.counts[worker]:
+            if round + 1 != st.counts[st.slot[worker]]:
                 raise _Reject(
                     f"PULL of key {st.key} round {round} before worker {worker}'s push of that round"
                 )
@@ -483,6 +523,7 @@ class SummationServer:
                     "nbytes": st.nbytes,
                     "round": st.round,
                     "step": st.opt.step if st.opt else 0,
+                    "workers": list(st.workers),
                     "counts": st.counts.tolist(),
                 }
             )
@@ -501,9 +542,9 @@ class SummationServer:
         try:
             with np.load(path) as data:
                 meta = json.loads(bytes(data["meta"]))
-                if meta.get("version") != _CHECKPOINT_VERSION:
+                if meta.get("version") not in (1, _CHECKPOINT_VERSION):
                     raise ValueError(
-                        f"checkpoint version {meta.get('version')}, expected {_CHECKPOINT_VERSION}"
+                        f"checkpoint version {meta.get('version')}, expected 1 to {_CHECKPOINT_VERSION}"
                     )
                 name = self.optimizer.config.name if self.optimizer else "none"
                 if meta["optimizer"] != name or meta["enable_async"] != self.config.enable_async:
@@ -516,13 +557,20 @@ class SummationServer:
                     key = int(entry["key"])
                     engine = min(range(len(self._loads)), key=self._loads.__getitem__)
                     self._loads[engine] += int(entry["nbytes"])
-                    st = _Key(key, int(entry["dtype"]), int(entry["nbytes"]), engine, self.config.num_workers)
+                    everyone = range(self.config.num_workers)  # version 1 saved no worker sets
+                    workers = check_workers(
+                        tuple(int(w) for w in entry.get("workers", everyone)), self.config.num_workers
+                    )
+                    st = _Key(key, int(entry["dtype"]), int(entry["nbytes"]), engine, workers)
                     if self._keeps_store():
                         st.value = np.array(data[f"value_{key}"])
                     st.round = int(entry["round"])
                     st.counts = np.array(entry["counts"], np.int64)
-                    if st.counts.size != self.config.num_workers:
-                        raise ValueError(f"checkpoint has {st.counts.size} workers, DMLC_NUM_WORKER differs")
+                    if st.counts.size != st.num_workers:
+                        raise ValueError(
+                            f"key {key} has push counts of {st.counts.size} workers, expected "
+                            f"{st.num_workers} (DMLC_NUM_WORKER differs)"
+                        )
                     if self.optimizer is not None:
                         st.opt = OptimizerState(
                             int(entry["step"]),
