@@ -229,3 +229,32 @@ def test_cli_profile_errors_are_clear(capsys):
     if not torch.cuda.is_available():
         assert main(["profile", "--model", "mlp-mini", "--device", "cuda", "--quiet"]) == 2
         assert "CUDA is not available on this machine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("gpu", "gib", "expected"),
+    [
+        ("NVIDIA H200", 139, "H200"),
+        ("NVIDIA A100-SXM4-40GB", 40, "A100"),
+        ("Tesla V100-SXM2-32GB", 32, "V100-32GB"),
+        ("Tesla V100-PCIE-16GB", 16, "V100-16GB"),
+        ("NVIDIA L4", 24, None),
+    ],
+)
+def test_local_device_type_names_the_gpu_row(monkeypatch, gpu, gib, expected):
+    from types import SimpleNamespace
+
+    from tagps.strategy.profiles import local_device_type
+
+    assert local_device_type("cpu") == "CPU"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    props = SimpleNamespace(total_memory=gib << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    if expected is None:
+        with pytest.raises(ValueError, match=r"'NVIDIA L4' is not in the device table .*--device-type"):
+            local_device_type("cuda")
+    else:
+        assert local_device_type("cuda") == expected
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        local_device_type("tpu")
