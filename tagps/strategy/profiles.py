@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from tagps.strategy import devices
-from tagps.strategy.graph import Graph, check_device, device_name, profile_graph, write_text_atomic
+from tagps.strategy.graph import (
+    Graph,
+    check_device,
+    device_name,
+    model_graph,
+    profile_graph,
+    write_text_atomic,
+)
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -315,7 +322,7 @@ def build_profile(
         model: reference model name.
         device: ``"cpu"`` or ``"cuda"``.
         batch_sizes: at least two batch sizes (default 1, 8, 32).
-        repeats: timed runs per op and batch size; the fastest is kept (default 5).
+        repeats: timed passes over the model per batch size; each op's fastest run counts (default 5).
         device_type: the table row the profile describes (default: :func:`local_device_type`).
         threads: torch threads while profiling (None: torch's setting). Default 1: a CPU device is one
             single-threaded worker process, as the runtime runs it; and on a shared host a second thread
@@ -326,8 +333,6 @@ def build_profile(
         ValueError: fewer than two batch sizes, CUDA absent, unknown device type, ``threads < 1``.
     """
     import torch
-
-    from tagps.strategy.graph import model_graph
 
     if len(set(batch_sizes)) < 2:
         raise ValueError(f"a profile needs at least two distinct batch sizes, got {list(batch_sizes)}")
