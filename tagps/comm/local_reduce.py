@@ -105,7 +105,8 @@ class LocalReducer:
     ``all_gather_object``); every process of the job must construct it, participant or not.
 
     Args:
-        participants: local ranks that take part, ascending; the first is the machine's root.
+        participants: local ranks that take part, ascending; the first is the machine's root. Empty when
+            none of this machine's processes takes part (a sum over other machines' ranks only).
         groups: topology groups of those local ranks (each reduces into its first rank first).
         local_rank: this process's local rank.
         machine: this process's machine id (``DMLC_WORKER_ID``).
@@ -129,7 +130,7 @@ class LocalReducer:
         self._index = {r: i for i, r in enumerate(self._participants)}
         self._me = self._index.get(local_rank)
         self._root = self._me == 0
-        root_rank = self._participants[0]
+        root_rank = self._participants[0] if self._participants else None
         ordered = sorted(
             ([r for r in g if r in self._index] for g in groups), key=lambda g: root_rank not in g
         )
@@ -148,8 +149,6 @@ class LocalReducer:
             job = uuid.uuid4().hex[:12]
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (machine, local_rank, endpoint, job))
-        root_info = next(e for e in everyone if e[0] == machine and e[1] == root_rank)
-        self._prefix = os.path.join(shm_dir, f"tagps-{root_info[3]}-m{machine}-")
         self._arenas: dict[str, _Arena] = {}
         self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
         self._rounds: dict[str, _RootRound] = {}
@@ -159,6 +158,8 @@ class LocalReducer:
         self._error: BaseException | None = None
         if self._me is None:
             return
+        root_info = next(e for e in everyone if e[0] == machine and e[1] == root_rank)
+        self._prefix = os.path.join(shm_dir, f"tagps-{root_info[3]}-m{machine}-")
         if not self._root:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, str(self._me).encode())

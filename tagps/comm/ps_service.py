@@ -3,16 +3,23 @@
 With a single worker machine the local sum is the global one, so nothing is pushed (the servers, if any,
 stay idle; the client still registers so that the job's scheduler sees every worker).
 
+:meth:`PSService.subset` sums over some of the job's worker processes only (a replicated op group of a
+general plan): the shared-memory reduction runs among the subset's local ranks of each machine, and when
+the subset spans several machines their local ranks 0 push and pull keys declared for those machines only
+(``PSClient.declare(..., workers=...)``). A subset inside one machine needs no server.
+
 On CPU every local rank takes part in the shared-memory reduction (:mod:`tagps.comm.local_reduce`). On
 CUDA the same topology maps to an NCCL reduce inside each PCIe-switch group, a copy of the group leader's
 result to pinned host memory, the shared-memory reduction among the leaders, and the way back (copy to
-the device, NCCL broadcast inside the group). The CUDA path is written for GPU machines and is untested
-here (these machines have no GPU); the CPU path is what the tests exercise.
+the device, NCCL broadcast inside the group); a subset stages every CUDA tensor in pinned host memory and
+reduces it there. The CUDA path is written for GPU machines and is untested here (these machines have no
+GPU); the CPU path is what the tests exercise.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +32,7 @@ from tagps.comm.handle import Waitable
 from tagps.comm.local_reduce import LocalReducer
 from tagps.config import CommConfig, server_optimizer_config
 
-__all__ = ["PSService"]
+__all__ = ["PSService", "PSSubset"]
 
 _WIRE_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
@@ -57,7 +64,115 @@ class _FutureWork:
         self._future.result()
 
 
-class PSService:
+class _Summation:
+    """What :class:`PSService` and :class:`PSSubset` share: declarations, the push and pull across machines,
+    and the start of a sum (CPU tensors through the shared-memory reduction, CUDA ones on a thread).
+
+    Subclasses set ``_reducer`` (and may override :meth:`_cuda_push_pull`).
+
+    Args:
+        cfg: the job layout and local topology.
+        client: the machine's PS client when this process pushes for the machine, else ``None``.
+        prefix: prepended to every tensor name to form the PS key name.
+        workers: the machines (``DMLC_WORKER_ID``) the keys are declared for; ``None``: every machine.
+        member: whether this process takes part in the sums.
+    """
+
+    _reducer: LocalReducer
+
+    def __init__(
+        self, cfg: CommConfig, client: Any, prefix: str, workers: tuple[int, ...] | None, member: bool
+    ) -> None:
+        self._cfg = cfg
+        self._client = client
+        self._prefix = prefix
+        self._workers = workers
+        self._member = member
+        self._declared: set[str] = set()
+        self._cuda = collectives.backend_for(cfg) == "nccl"
+        if self._cuda:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tagps-ps-cuda")
+            self._pinned: dict[str, torch.Tensor] = {}
+
+    def declare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Register tensor names and shapes with the summation servers (collective over the members).
+
+        Every member process must declare the same names in the same order; names declared before are
+        skipped. :meth:`push_pull_async` declares a new name itself, so this only moves the (blocking)
+        registration out of the training step.
+
+        Raises:
+            TypeError: a dtype the summation servers cannot sum.
+            ValueError: this process is not a member.
+        """
+        self._check_member()
+        new = [(n, t) for n, t in tensors if n not in self._declared]
+        if not new:
+            return
+        for name, tensor in new:
+            if tensor.dtype not in _WIRE_DTYPES:
+                raise TypeError(
+                    f"{name!r}: the ps method sums float32/float64/float16 tensors, not {tensor.dtype}"
+                )
+            self._declared.add(name)
+        if self._client is not None:
+            for name, tensor in new:
+                nbytes = tensor.numel() * tensor.element_size()
+                self._client.declare(
+                    self._prefix + name, nbytes, _WIRE_DTYPES[tensor.dtype], workers=self._workers
+                )
+            self._client.flush_declarations()
+
+    def push_pull_async(self, name: str, tensor: torch.Tensor, priority: int = 0) -> Waitable:
+        """Start summing ``tensor`` in place over the member processes; returns the work to wait for.
+
+        Args:
+            name: the tensor's name, the same on every member.
+            tensor: a contiguous tensor (CPU, or CUDA on an NCCL job).
+            priority: higher values are pushed first.
+
+        Raises:
+            ValueError: this process is not a member, or a CUDA tensor on a CPU job.
+            TypeError: a dtype the summation servers cannot sum.
+        """
+        self.declare([(name, tensor)])
+        if tensor.is_cuda:
+            if not self._cuda:
+                raise ValueError(f"{name!r} is a CUDA tensor but the job runs the CPU (gloo) path")
+            return _FutureWork(self._pool.submit(self._cuda_push_pull, name, tensor, priority))
+        return self._reducer.submit(name, tensor, priority)
+
+    def _check_member(self) -> None:
+        if not self._member:
+            raise ValueError(f"rank {self._cfg.rank} does not take part in {self!r}")
+
+    def _cross(self, name: str, summed: torch.Tensor, priority: int) -> Waitable:
+        # The PS client sends lower priority values first; ours follow BytePS (higher first).
+        handle = self._client.push_pull(
+            self._prefix + name, summed.numpy(), average=False, priority=-priority
+        )
+        return _ClientWork(self._client, handle)
+
+    def _cuda_push_pull(self, name: str, tensor: torch.Tensor, priority: int) -> None:
+        self._via_host(name, tensor, priority)
+
+    def _via_host(self, name: str, tensor: torch.Tensor, priority: int) -> None:
+        """Copy ``tensor`` to pinned host memory, sum it there (blocking), copy the result back."""
+        host = self._pinned.get(name)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._pinned[name] = host
+        host.copy_(tensor)
+        self._reducer.submit(name, host, priority).wait()
+        tensor.copy_(host)
+
+    def _stop(self) -> None:
+        if self._cuda:
+            self._pool.shutdown(wait=True)
+        self._reducer.close()
+
+
+class PSService(_Summation):
     """Sum tensors over every worker process through local reduction and the summation servers.
 
     Construction is collective: every worker process of the job must create it (in the same order as
@@ -83,25 +198,22 @@ class PSService:
                 f"the ps sync method needs summing servers, but TAGPS_SERVER_OPTIMIZER={server_optimizer} "
                 "makes them return updated weights; unset it or use allreduce"
             )
-        self._cfg = cfg
-        self._client: Any = None
-        self._declared: set[str] = set()
+        client: Any = None
         if cfg.local_rank == 0 and cfg.num_server > 0:
             from tagps.ps.client import PSClient
 
-            self._client = PSClient.from_env()
-            if self._client.config.enable_async:
-                self._client.close()
+            client = PSClient.from_env()
+            if client.config.enable_async:
+                client.close()
                 raise RuntimeError(
                     "the ps sync method needs synchronous rounds, but BYTEPS_ENABLE_ASYNC=1 makes pushes "
                     "deltas and pulls the store; unset it or use allreduce"
                 )
+        super().__init__(cfg, client, "", None, True)
+        self._subsets: dict[tuple[int, ...], PSSubset] = {}
         groups = cfg.local_groups()
-        self._cuda = collectives.backend_for(cfg) == "nccl"
         if self._cuda:
             self._switch = self._switch_groups(cfg, groups)
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tagps-ps-cuda")
-            self._pinned: dict[str, torch.Tensor] = {}
             leaders = [g[0] for g in groups]
             participants, reduce_groups = leaders, [[r] for r in leaders]
         else:
@@ -128,40 +240,29 @@ class PSService:
                     mine = (pg, ranks[0])
         return mine
 
-    def declare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Register tensor names and shapes with the summation servers (collective over the workers).
+    def subset(self, ranks: Sequence[int]) -> PSSubset:
+        """Return a service that sums over the worker processes ``ranks`` only.
 
-        Every worker process must declare the same names in the same order; names declared before are
-        skipped. :meth:`push_pull_async` declares a new name itself, so this only moves the (blocking)
-        registration out of the training step.
+        Collective: every worker process of the job calls it, members or not, with the same ``ranks`` and
+        in the same order relative to the other collectives (the first call for a set of ranks creates a
+        :class:`LocalReducer`; later calls return that subset). The checks run before anything collective
+        and give the same outcome on every process.
+
+        Args:
+            ranks: global ranks (machine-major, ``DMLC_WORKER_ID * local_size + local_rank``).
+
+        Returns:
+            The :class:`PSSubset` of these ranks; closed with this service.
+
+        Raises:
+            ValueError: ``ranks`` is empty, repeats a rank or names one outside the job, or spans several
+                machines but leaves out the local rank 0 of one of them (only that process has a PS
+                client and pushes for its machine).
         """
-        new = [(n, t) for n, t in tensors if n not in self._declared]
-        if not new:
-            return
-        for name, tensor in new:
-            if tensor.dtype not in _WIRE_DTYPES:
-                raise TypeError(
-                    f"{name!r}: the ps method sums float32/float64/float16 tensors, not {tensor.dtype}"
-                )
-            self._declared.add(name)
-        if self._client is not None:
-            for name, tensor in new:
-                self._client.declare(name, tensor.numel() * tensor.element_size(), _WIRE_DTYPES[tensor.dtype])
-            self._client.flush_declarations()
-
-    def _cross(self, name: str, summed: torch.Tensor, priority: int) -> Waitable:
-        # The PS client sends lower priority values first; ours follow BytePS (higher first).
-        handle = self._client.push_pull(name, summed.numpy(), average=False, priority=-priority)
-        return _ClientWork(self._client, handle)
-
-    def push_pull_async(self, name: str, tensor: torch.Tensor, priority: int = 0) -> Waitable:
-        """Start summing ``tensor`` in place over every worker process; returns the work to wait for."""
-        self.declare([(name, tensor)])
-        if tensor.is_cuda:
-            if not self._cuda:
-                raise ValueError(f"{name!r} is a CUDA tensor but the job runs the CPU (gloo) path")
-            return _FutureWork(self._pool.submit(self._cuda_push_pull, name, tensor, priority))
-        return self._reducer.submit(name, tensor, priority)
+        key = _check_ranks(self._cfg, ranks)
+        if key not in self._subsets:
+            self._subsets[key] = PSSubset(self._cfg, self._client, key)
+        return self._subsets[key]
 
     def _cuda_push_pull(self, name: str, tensor: torch.Tensor, priority: int) -> None:
         """NCCL reduce inside the switch group, host reduction among leaders, then back (untested here)."""
@@ -169,20 +270,91 @@ class PSService:
         if group is not None:
             dist.reduce(tensor, dst=leader, group=group)
         if self._reducer.participating:
-            host = self._pinned.get(name)
-            if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                self._pinned[name] = host
-            host.copy_(tensor)
-            self._reducer.submit(name, host, priority).wait()
-            tensor.copy_(host)
+            self._via_host(name, tensor, priority)
         if group is not None:
             dist.broadcast(tensor, src=leader, group=group)
 
     def close(self) -> None:
-        """Stop the reduction service and the PS client."""
-        if self._cuda:
-            self._pool.shutdown(wait=True)
-        self._reducer.close()
+        """Stop the subsets, the reduction service and the PS client."""
+        for sub in self._subsets.values():
+            sub.close()
+        self._stop()
         if self._client is not None:
             self._client.close()
+
+
+class PSSubset(_Summation):
+    """Sum tensors over some of the job's worker processes (made by :meth:`PSService.subset`).
+
+    The sum runs through the shared-memory reduction among the subset's local ranks on each machine, then,
+    when the subset spans several machines, one push and pull per machine by its local rank 0, on keys
+    declared for those machines only. Processes outside the subset construct it too but never use it.
+
+    Args:
+        cfg: the job layout and local topology.
+        client: this machine's PS client on local rank 0, else ``None``.
+        ranks: the member processes' global ranks.
+
+    Raises:
+        ValueError: see :meth:`PSService.subset`.
+    """
+
+    def __init__(self, cfg: CommConfig, client: Any, ranks: Sequence[int]) -> None:
+        self.ranks = _check_ranks(cfg, ranks)
+        machines = tuple(sorted({r // cfg.local_size for r in self.ranks}))
+        local = [r % cfg.local_size for r in self.ranks if r // cfg.local_size == cfg.worker_id]
+        member = cfg.rank in self.ranks
+        # Only the machines' local ranks 0 push (the check above made them members when they must push).
+        pusher = member and cfg.local_rank == 0 and len(machines) > 1
+        prefix = f"subset[{','.join(map(str, self.ranks))}]/"
+        super().__init__(cfg, client if pusher else None, prefix, machines, member)
+        self._closed = False
+        self._reducer = LocalReducer(
+            local,
+            [list(g) for g in cfg.local_groups()],
+            cfg.local_rank,
+            cfg.worker_id,
+            cross=self._cross if pusher else None,
+            timeout=cfg.dist_timeout_s,
+        )
+
+    def __repr__(self) -> str:
+        return f"PSSubset(ranks={list(self.ranks)})"
+
+    @property
+    def member(self) -> bool:
+        """Whether this process is one of the subset's ranks."""
+        return self._member
+
+    def close(self) -> None:
+        """Stop the subset's reduction service (idempotent; the PS client belongs to the parent)."""
+        if not self._closed:
+            self._closed = True
+            self._stop()
+
+
+def _check_ranks(cfg: CommConfig, ranks: Sequence[int]) -> tuple[int, ...]:
+    """Return ``ranks`` sorted after checking that a subset over them can be summed (see ``subset``)."""
+    if isinstance(ranks, (str, bytes)) or not all(
+        isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in ranks
+    ):
+        raise ValueError(f"ps subset ranks must be a sequence of integers, got {ranks!r}")
+    ordered = tuple(sorted(int(r) for r in ranks))
+    if not ordered or len(set(ordered)) != len(ordered) or ordered[0] < 0 or ordered[-1] >= cfg.size:
+        raise ValueError(
+            f"ps subset ranks {list(ordered)} must be distinct ranks of the job's {cfg.size} worker processes"
+        )
+    by_machine: dict[int, list[int]] = {}
+    for r in ordered:
+        by_machine.setdefault(r // cfg.local_size, []).append(r)
+    if len(by_machine) > 1:
+        for machine, members in by_machine.items():
+            root = machine * cfg.local_size
+            if members[0] != root:
+                raise ValueError(
+                    f"ps over the ranks {list(ordered)}: machine {machine} takes part with ranks {members} "
+                    f"(local ranks {[r - root for r in members]}) but not with rank {root}, its local rank "
+                    "0, the only process of a machine that pushes to the summation servers; include it "
+                    "or sum with allreduce"
+                )
+    return ordered

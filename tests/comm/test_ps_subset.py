@@ -1,0 +1,97 @@
+"""``PSService.subset``: sums over some of the job's worker processes, as real ``bpslaunch --local`` jobs.
+
+Each job runs ``ps_subset_worker.py`` on every rank; the subsets' sums run next to a sum over every rank,
+with distinct values per rank and round, and must be exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tagps.comm.ps_service import PSSubset
+from tagps.config import CommConfig
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("ps_subset_worker.py")
+
+
+def _run(
+    tmp: Path, case: dict[str, Any], *, workers: int, servers: int, local_size: int
+) -> list[dict[str, Any]]:
+    """Run ``case`` on ``workers`` machines of ``local_size`` processes; return each rank's result."""
+    (tmp / "case.json").write_text(json.dumps(case))
+    cmd = [
+        sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", str(servers),
+        "--local-size", str(local_size), "--grace", "2", "--",
+        sys.executable, str(WORKER), "--case", str(tmp / "case.json"), "--out", str(tmp),
+    ]  # fmt: skip
+    env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60", "BYTEPS_PARTITION_BYTES": "4096"}
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"job timed out:\n{exc.stdout}\n{exc.stderr}") from None
+    assert proc.returncode == 0, (
+        f"job failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(workers * local_size)]
+
+
+def _check_sums(results: list[dict[str, Any]], sums: dict[str, set[int]]) -> None:
+    """Every rank reports exactly the sums it is a member of (key prefix -> ranks), all exact."""
+    for result in results:
+        rank = result["rank"]
+        mine = {key.split(".")[0] for key in result["errors"]}
+        assert mine == {name for name, members in sums.items() if rank in members}, (rank, mine)
+        assert all(error == 0.0 for error in result["errors"].values()), (rank, result["errors"])
+        assert result["cached"], rank
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("servers", [1, 2])
+def test_subset_of_three_machines_next_to_a_sum_over_all(tmp_path: Path, servers: int) -> None:
+    # {0, 2} crosses machines through the servers while rank 1 sums only "all"; {1} is one machine's.
+    results = _run(tmp_path, {"subsets": [[2, 0], [1]]}, workers=3, servers=servers, local_size=1)
+    _check_sums(results, {"s0": {0, 2}, "s1": {1}, "all": {0, 1, 2}})
+
+
+@pytest.mark.timeout(200)
+def test_subset_of_two_machines_with_two_local_ranks(tmp_path: Path) -> None:
+    # {0, 1, 2}: machine 0's two ranks reduce in shared memory, machine 1 takes part with its local rank 0;
+    # {2, 3} lies inside machine 1 and {1} inside machine 0 (no server; {1} without its local rank 0).
+    # [0, 3] leaves out machine 1's local rank 0: every rank refuses it before anything collective.
+    case = {"subsets": [[0, 1, 2], [2, 3], [1]], "refused": [[0, 3], [0, 1, 3]]}
+    results = _run(tmp_path, case, workers=2, servers=1, local_size=2)
+    _check_sums(results, {"s0": {0, 1, 2}, "s1": {2, 3}, "s2": {1}, "all": {0, 1, 2, 3}})
+    for result in results:
+        first, second = result["refused"]
+        assert first is not None and "machine 1 takes part with ranks [3] (local ranks [1])" in first, first
+        assert "not with rank 2, its local rank 0" in first, first
+        assert second is not None and "machine 1 takes part with ranks [3]" in second, second
+
+
+@pytest.mark.parametrize(
+    ("ranks", "message"),
+    [
+        ([], "must be distinct ranks of the job's 4"),
+        ([0, 0], "must be distinct"),
+        ([0, 4], "must be distinct"),
+        ([-1, 0], "must be distinct"),
+        ([True], "sequence of integers"),
+        ("01", "sequence of integers"),
+        ([1, 2], "machine 0 takes part with ranks [1] (local ranks [1]) but not with rank 0"),
+    ],
+)
+def test_subset_ranks_are_checked_before_anything_collective(ranks: Any, message: str) -> None:
+    cfg = CommConfig(num_worker=2, worker_id=1, local_rank=1, local_size=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PSSubset(cfg, None, ranks)
