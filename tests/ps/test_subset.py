@@ -247,3 +247,37 @@ def test_checkpoint_keeps_the_worker_set(ps_job, tmp_path) -> None:
     errors = [json.loads(r.stdout)["error"] for r in results if r.returncode == 3]
     assert errors and all("is declared for the workers [1]; this INIT from worker" in e for e in errors)
     assert all(e.endswith("says [0, 1]") for e in errors), errors
+
+
+V1_RESTORE = (
+    PREAMBLE
+    + """
+client.declare("t", 40, np.float32)
+client.barrier()
+start = client._tensors["t"].chunks[0].round
+buf = np.full(10, w + 1.0, np.float32)
+client.wait(client.push_pull("t", buf, average=False), timeout=30)
+client.close()
+print(json.dumps({"round": start, "sum": float(buf[0])}))
+"""
+)
+
+
+@pytest.mark.timeout(60)
+def test_version_1_checkpoint_restores_keys_for_every_worker(ps_job, tmp_path) -> None:
+    # Written by hand as a server before worker sets wrote it: no "workers" entry.
+    meta = {
+        "version": 1,
+        "rank": 0,
+        "optimizer": "none",
+        "enable_async": False,
+        "keys": [
+            {"key": 0, "dtype": int(DType.FLOAT32), "nbytes": 40, "round": 5, "step": 0, "counts": [5, 5]}
+        ],
+    }
+    ckpt = tmp_path / "v1.npz"
+    with open(ckpt, "wb") as fh:
+        np.savez(fh, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    with ps_job(num_workers=2, num_servers=1, server_args=[["--restore", str(ckpt)]]) as job:
+        results = [json.loads(r.check().stdout) for r in job.run_workers(V1_RESTORE, timeout=40)]
+    assert results == [{"round": 5, "sum": 3.0}] * 2
