@@ -37,6 +37,7 @@ from tagps.torch.collective_ops import (
     reduce_spec,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     start_allreduce,
 )
 from tagps.torch.compression import Compression, Compressor
@@ -119,6 +120,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

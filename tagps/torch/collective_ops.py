@@ -55,6 +55,7 @@ __all__ = [
     "grouped_reducescatter_async",
     "reducescatter",
     "reducescatter_async",
+    "sparse_allreduce_async",
 ]
 
 _DIST_OPS = {
@@ -752,6 +753,44 @@ def grouped_reducescatter(
     """Return the reducescatter of every tensor of ``tensors`` (differentiable)."""
     spec = reduce_spec(None, op, prescale_factor, postscale_factor, process_set, compression)
     return list(_ReducescatterFunction.apply(spec, name, *_check_tensors(tensors, "grouped_reducescatter")))
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: ReduceOp, process_set: ProcessSet = global_process_set
+) -> Callable[[], torch.Tensor]:
+    """Start summing or averaging a sparse COO tensor over the set, as Horovod does: by allgathering its
+    indices and values (every rank's entries, duplicates summed when the result is coalesced).
+
+    Args:
+        tensor: a sparse COO tensor of the same shape on every rank (any number of entries).
+        name: the operation's name (accepted for Horovod compatibility).
+        op: ``Average`` or ``Sum``.
+        process_set: the ranks that take part.
+
+    Returns:
+        A function (Horovod's contract, not a handle) that waits and returns the sparse result.
+
+    Raises:
+        ValueError: a dense tensor, or another op.
+    """
+    if not _check_tensor(tensor, "sparse_allreduce_async").is_sparse:
+        raise ValueError("sparse_allreduce_async needs a sparse COO tensor; use allreduce for dense ones")
+    spec = reduce_spec(None, op, 1.0, 1.0, process_set)
+    if spec.op not in (Sum, Average):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {spec.op!r}")
+    local = tensor.detach().coalesce()
+    # Allgather concatenates rows, so the indices travel transposed: one row per entry.
+    indices, _ = _start_allgather(local.indices().t().contiguous(), process_set)
+    values, _ = _start_allgather(local.values(), process_set)
+    post = 1.0 / _set_size(process_set) if spec.op is Average else 1.0
+
+    def result() -> torch.Tensor:
+        gathered = values.wait()
+        _scale_(gathered, post)
+        # Valid by construction: every rank's indices were valid for this shape.
+        return torch.sparse_coo_tensor(indices.wait().t(), gathered, tensor.shape, check_invariants=False)
+
+    return result
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -175,6 +175,24 @@ def alltoall_with_and_without_splits(rank: int, size: int) -> None:
 
 
 @check
+def sparse_allreduce_gathers_every_rank_entries(rank: int, size: int) -> None:
+    # Rank r holds r + 1 at (r, 0) and 1 at (0, 1); rank 1 holds nothing at all.
+    entries = [] if rank == 1 else [((rank, 0), rank + 1.0), ((0, 1), 1.0)]
+    indices = torch.tensor([e[0] for e in entries], dtype=torch.int64).reshape(-1, 2).t()
+    values = torch.tensor([e[1] for e in entries])
+    local = torch.sparse_coo_tensor(indices, values, (size, 2), check_invariants=True)
+    want = torch.zeros(size, 2)
+    for r in range(size):
+        if r != 1:
+            want[r, 0] += r + 1.0
+            want[0, 1] += 1.0
+    result = hvd.sparse_allreduce_async(local, name="emb.grad", op=hvd.Sum)()
+    assert result.is_sparse
+    _assert_equal(result.to_dense(), want, "sum")
+    _assert_equal(hvd.sparse_allreduce_async(local, "emb.avg", hvd.Average)().to_dense(), want / size, "avg")
+
+
+@check
 def reducescatter_splits_rows_first_ranks_first(rank: int, size: int) -> None:
     rows = 2 * size + 1  # the first rank gets one more row
     x = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2) * (rank + 1)
@@ -562,6 +580,7 @@ HOROVOD_SIGNATURES = {
     "broadcast": "tensor root_rank name process_set",
     "broadcast_async_": "tensor root_rank name process_set",
     "alltoall": "tensor splits name process_set",
+    "sparse_allreduce_async": "tensor name op process_set",
     "reducescatter": "tensor name compression op process_set prescale_factor postscale_factor",
     "reducescatter_async": "tensor name op process_set prescale_factor postscale_factor",
     "grouped_reducescatter": "tensors name compression op process_set prescale_factor postscale_factor",
@@ -619,6 +638,8 @@ def test_argument_errors(world_of_one: None) -> None:
         hvd.grouped_allreduce(x)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one dimension"):
         hvd.allgather(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="needs a sparse COO tensor"):
+        hvd.sparse_allreduce_async(x, "dense", hvd.Sum)
     with pytest.raises(ValueError, match="ranks must be a non-empty subset"):
         hvd.add_process_set([0, 1])
     with pytest.raises(ValueError, match=re.escape("init(comm=...) is not supported")):
