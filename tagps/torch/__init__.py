@@ -42,7 +42,12 @@ from tagps.torch.collective_ops import (
 )
 from tagps.torch.compression import Compression, Compressor
 from tagps.torch.executor import DistributedModel, distribute
-from tagps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from tagps.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum
 from tagps.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from tagps.torch.sync_batch_norm import SyncBatchNorm
@@ -297,16 +302,6 @@ def synchronize(handle: Handle) -> torch.Tensor:
         raise HorovodInternalError(str(exc)) from exc
     finally:
         handles.discard(handle)
-
-
-def allgather_object(obj: object, name: str | None = None) -> list[object]:
-    """Return every worker's ``obj`` (pickled), in rank order."""
-    gathered: list[object] = [None] * size()
-    if size() == 1:
-        gathered[0] = obj
-    else:
-        dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def gloo_built() -> bool:

@@ -1,4 +1,7 @@
-"""Broadcasts that make replicas start equal: parameters, optimizer state, arbitrary objects."""
+"""Broadcasts and gathers of whole objects: parameters, optimizer state, picklable objects.
+
+Each takes Horovod's ``process_set=`` (every worker by default); root ranks are global ranks of the set.
+"""
 
 from __future__ import annotations
 
@@ -8,58 +11,96 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tagps.torch import ops
+from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 
-__all__ = ["broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
 
 
-def _check_root(root_rank: int) -> None:
-    size = ops.state().cfg.size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"root_rank must be a rank in [0, {size}), got {root_rank!r}")
+def _group_and_size(process_set: ProcessSet, root_rank: int | None = None) -> tuple[Any, int]:
+    """Return the set's ``torch.distributed`` group and size, checking ``root_rank`` is a member."""
+    group = group_of(process_set)
+    size = process_set.size()
+    assert size is not None
+    if root_rank is not None:
+        members = process_set.ranks if process_set.process_set_id != 0 else range(size)
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank not in members:
+            raise ValueError(f"root_rank must be a (global) rank of {process_set}, got {root_rank!r}")
+    return group, size
 
 
 def broadcast_parameters(
-    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int
+    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    root_rank: int,
+    process_set: ProcessSet = global_process_set,
 ) -> None:
     """Overwrite, in place, every tensor in ``params`` with its value on ``root_rank``.
 
     Args:
         params: ``model.state_dict()`` or ``model.named_parameters()`` (the same names on every worker).
         root_rank: the rank whose values win.
+        process_set: the ranks that take part (default: every worker).
     """
-    _check_root(root_rank)
+    group, size = _group_and_size(process_set, root_rank)
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda kv: kv[0])
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"params[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        if ops.state().cfg.size > 1:
-            dist.broadcast(tensor.detach(), src=root_rank)
+        if size > 1:
+            dist.broadcast(tensor.detach(), src=root_rank, group=group)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return ``root_rank``'s ``obj`` on every worker (pickled; keep it small).
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Return ``root_rank``'s ``obj`` on every worker of the set (pickled; keep it small).
 
     Args:
         obj: any picklable object (ignored on the other ranks).
         root_rank: the rank whose object wins.
         name: accepted for Horovod compatibility; unused.
+        process_set: the ranks that take part (default: every worker).
+
+    Returns:
+        ``root_rank``'s object.
     """
-    _check_root(root_rank)
+    group, size = _group_and_size(process_set, root_rank)
     box = [obj]
-    if ops.state().cfg.size > 1:
-        dist.broadcast_object_list(box, src=root_rank)
+    if size > 1:
+        dist.broadcast_object_list(box, src=root_rank, group=group)
     return box[0]
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def allgather_object(
+    obj: object, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[object]:
+    """Return every worker's ``obj`` (pickled), in rank order of the set.
+
+    Args:
+        obj: any picklable object.
+        name: accepted for Horovod compatibility; unused.
+        process_set: the ranks that take part (default: every worker).
+
+    Returns:
+        One object per rank of the set.
+    """
+    group, size = _group_and_size(process_set)
+    gathered: list[object] = [obj] if size == 1 else [None] * size
+    if size > 1:
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet = global_process_set
+) -> None:
     """Make every worker's optimizer state (hyperparameters and buffers) equal to ``root_rank``'s.
 
     Args:
         optimizer: a torch optimizer or a ``DistributedOptimizer`` over the same parameters everywhere.
         root_rank: the rank whose state wins.
+        process_set: the ranks that take part (default: every worker).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    state = broadcast_object(optimizer.state_dict(), root_rank)
+    state = broadcast_object(optimizer.state_dict(), root_rank, process_set=process_set)
     optimizer.load_state_dict(state)

@@ -303,6 +303,14 @@ def process_sets(rank: int, size: int) -> None:
         )
         with pytest.raises(ValueError, match="root_rank must be a"):
             hvd.broadcast(torch.ones(1), 1, process_set=evens)
+        assert hvd.allgather_object({"r": rank}, process_set=evens) == [{"r": 0}, {"r": 2}]
+        assert hvd.broadcast_object(rank, root_rank=2, process_set=evens) == 2
+        params = {"w": torch.full((2,), float(rank))}
+        hvd.broadcast_parameters(params, root_rank=2, process_set=evens)
+        _assert_equal(params["w"], torch.full((2,), 2.0), "set broadcast_parameters")
+        opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1 * (rank + 1))
+        hvd.broadcast_optimizer_state(opt, root_rank=0, process_set=evens)
+        assert opt.param_groups[0]["lr"] == 0.1
         hvd.barrier(process_set=evens)
     else:
         with pytest.raises(ValueError, match="Process is not part of provided process set"):
@@ -581,6 +589,10 @@ HOROVOD_SIGNATURES = {
     "broadcast_async_": "tensor root_rank name process_set",
     "alltoall": "tensor splits name process_set",
     "sparse_allreduce_async": "tensor name op process_set",
+    "broadcast_parameters": "params root_rank process_set",
+    "broadcast_optimizer_state": "optimizer root_rank process_set",
+    "broadcast_object": "obj root_rank name process_set",
+    "allgather_object": "obj name process_set",
     "reducescatter": "tensor name compression op process_set prescale_factor postscale_factor",
     "reducescatter_async": "tensor name op process_set prescale_factor postscale_factor",
     "grouped_reducescatter": "tensors name compression op process_set prescale_factor postscale_factor",
