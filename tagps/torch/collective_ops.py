@@ -2,7 +2,7 @@
 
 Sums and averages over every worker go through :func:`tagps.torch.ops.start_sum`, so they use the summation
 servers when the job has some (for the dtypes they sum: float16/32/64); every other op, dtype and process set
-runs on ``torch.distributed`` directly. gloo has no int16 kernels, so int16 tensors travel as int32 there.
+runs on ``torch.distributed`` directly. gloo and NCCL have no int16 kernels, so int16 tensors travel as int32.
 The synchronous out-of-place collectives are differentiable as in Horovod: the gradient of an allreduce is
 the same allreduce of the gradient; of an allgather or broadcast, the average of the gradients over the set
 (the root's, zero elsewhere, for a broadcast); of an alltoall, the alltoall back; of a reducescatter, the
@@ -66,7 +66,7 @@ _DIST_OPS = {
     Product: dist.ReduceOp.PRODUCT,
 }
 _PS_DTYPES = (torch.float32, torch.float64, torch.float16)  # what the summation servers add
-_GLOO_WIDER = {torch.int16: torch.int32}
+_WIDER = {torch.int16: torch.int32}  # neither gloo nor NCCL has int16 kernels
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,8 @@ def _name(name: str | None, kind: str) -> str:
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """Return ``tensor`` in a dtype the backend can move (itself when it already can)."""
-    wider = _GLOO_WIDER.get(tensor.dtype) if dist.get_backend() == "gloo" else None
+    """Return ``tensor`` in a dtype the backends can move (itself when it already is)."""
+    wider = _WIDER.get(tensor.dtype)
     return tensor if wider is None else tensor.to(wider)
 
 
