@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tagps.comm.handle import Handle
 from tagps.torch import elastic, ops, process_sets
 from tagps.torch.collective_ops import (
+    HorovodInternalError,
     allgather,
     allgather_async,
     allreduce,
@@ -40,6 +41,7 @@ from tagps.torch.collective_ops import (
     sparse_allreduce_async,
     start_allreduce,
 )
+from tagps.torch.collective_ops import wait as _wait
 from tagps.torch.compression import Compression, Compressor
 from tagps.torch.executor import DistributedModel, distribute
 from tagps.torch.functions import (
@@ -130,10 +132,6 @@ __all__ = [
     "stop_timeline",
     "synchronize",
 ]
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed (a peer died, a transfer broke); raised by :func:`synchronize`, as in Horovod."""
 
 
 def init(comm: object = None, process_sets: list[ProcessSet] | None = None) -> None:
@@ -295,11 +293,7 @@ def synchronize(handle: Handle) -> torch.Tensor:
     """
     handles = _known(handle)
     try:
-        return handle.wait()
-    except HorovodInternalError:
-        raise
-    except RuntimeError as exc:  # torch.distributed and the PS service report failed transfers so
-        raise HorovodInternalError(str(exc)) from exc
+        return _wait(handle)  # type: ignore[no-any-return]
     finally:
         handles.discard(handle)
 

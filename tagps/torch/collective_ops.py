@@ -32,6 +32,7 @@ from tagps.torch.optimizer import Adasum, Average, Max, Min, Product, ReduceOp, 
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = [
+    "HorovodInternalError",
     "allgather",
     "allgather_async",
     "allreduce",
@@ -56,6 +57,7 @@ __all__ = [
     "reducescatter",
     "reducescatter_async",
     "sparse_allreduce_async",
+    "wait",
 ]
 
 _DIST_OPS = {
@@ -143,6 +145,25 @@ def _scale_(tensor: torch.Tensor, factor: float) -> None:
         tensor.mul_(factor)
     else:
         tensor.copy_(tensor.double().mul_(factor))
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed in the communication layer (a peer died, a transfer broke), as in Horovod."""
+
+
+def wait(handle: Handle) -> Any:
+    """Wait for ``handle`` and return its result.
+
+    Raises:
+        HorovodInternalError: the communication layer failed (``torch.distributed`` and the PS service
+            report failures as ``RuntimeError``); the original error is its cause.
+    """
+    try:
+        return handle.wait()
+    except HorovodInternalError:
+        raise
+    except RuntimeError as exc:
+        raise HorovodInternalError(str(exc)) from exc
 
 
 _in_flight: dict[str, Handle] = {}  # user-named asynchronous operations, by name
@@ -340,19 +361,19 @@ class _AllreduceFunction(torch.autograd.Function):
         ctx: Any, spec: _Reduce, name: str | None, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.spec = spec
-        return tuple(_start_grouped_allreduce(tensors, spec, name, inplace=False).wait())
+        return tuple(wait(_start_grouped_allreduce(tensors, spec, name, inplace=False)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         spec: _Reduce = ctx.spec
         if spec.op not in (Sum, Average):
             raise RuntimeError(f"the gradient of an allreduce with op={spec.op.name} is not defined in tagps")
-        return (None, None, *_start_grouped_allreduce(grads, spec, None, inplace=False).wait())
+        return (None, None, *wait(_start_grouped_allreduce(grads, spec, None, inplace=False)))
 
 
 def _average_grads(grads: Sequence[torch.Tensor], process_set: ProcessSet) -> list[torch.Tensor]:
     spec = _Reduce(Average, 1.0, 1.0, process_set)
-    return _start_grouped_allreduce(grads, spec, None, inplace=False).wait()  # type: ignore[return-value]
+    return wait(_start_grouped_allreduce(grads, spec, None, inplace=False))  # type: ignore[no-any-return]
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -365,7 +386,7 @@ class _AllgatherFunction(torch.autograd.Function):
         assert me is not None
         ctx.process_set = process_set
         ctx.rows = [(sum(counts[:me]), counts[me]) for _, counts in started]
-        return tuple(h.wait() for h, _ in started)
+        return tuple(wait(h) for h, _ in started)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -379,7 +400,7 @@ class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, process_set: ProcessSet) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return _start_broadcast(tensor, root_rank, process_set, inplace=False).wait()
+        return wait(_start_broadcast(tensor, root_rank, process_set, inplace=False))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -396,14 +417,14 @@ class _AlltoallFunction(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, splits: Any, process_set: ProcessSet
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, received = _start_alltoall(tensor, splits, process_set).wait()  # type: ignore[misc]
+        out, received = wait(_start_alltoall(tensor, splits, process_set))
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, ...]:
-        back, _splits = _start_alltoall(grad, ctx.received, ctx.process_set).wait()  # type: ignore[misc]
+        back, _splits = wait(_start_alltoall(grad, ctx.received, ctx.process_set))
         return back, None, None
 
 
@@ -415,7 +436,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         ctx: Any, spec: _Reduce, name: str | None, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.spec = spec
-        return tuple(_start_grouped_reducescatter(tensors, spec, name).wait())
+        return tuple(wait(_start_grouped_reducescatter(tensors, spec, name)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -423,7 +444,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         scale = spec.prescale * spec.postscale
         if spec.op is Average:
             scale /= _set_size(spec.process_set)
-        gathered = [_start_allgather(g, spec.process_set)[0].wait() for g in grads]
+        gathered = [wait(_start_allgather(g, spec.process_set)[0]) for g in grads]
         for g in gathered:
             _scale_(g, scale)
         return (None, None, *gathered)
@@ -505,7 +526,7 @@ def allreduce_(
 ) -> torch.Tensor:
     """Reduce ``tensor`` over the set in place and return it (see :func:`allreduce_async`)."""
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=True).wait()
+    return wait(start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=True))  # type: ignore[no-any-return]
 
 
 def grouped_allreduce_async(
@@ -565,7 +586,7 @@ def grouped_allreduce_(
     """Reduce every tensor of ``tensors`` in place and return them."""
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
     handle = _start_grouped_allreduce(_check_tensors(tensors, "grouped_allreduce"), spec, name, True)
-    return handle.wait()  # type: ignore[return-value]
+    return wait(handle)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------------------------- allgather
@@ -653,7 +674,7 @@ def broadcast_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s value and return it."""
-    return _start_broadcast(tensor, root_rank, process_set, inplace=True).wait()
+    return wait(_start_broadcast(tensor, root_rank, process_set, inplace=True))  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------------------------- alltoall
@@ -785,10 +806,10 @@ def sparse_allreduce_async(
     post = 1.0 / _set_size(process_set) if spec.op is Average else 1.0
 
     def result() -> torch.Tensor:
-        gathered = values.wait()
+        gathered = wait(values)
         _scale_(gathered, post)
         # Valid by construction: every rank's indices were valid for this shape.
-        return torch.sparse_coo_tensor(indices.wait().t(), gathered, tensor.shape, check_invariants=False)
+        return torch.sparse_coo_tensor(wait(indices).t(), gathered, tensor.shape, check_invariants=False)
 
     return result
 

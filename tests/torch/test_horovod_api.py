@@ -636,6 +636,25 @@ def test_synchronize_reports_failed_transfers_as_horovod_internal_error(world_of
     assert isinstance(err.value, RuntimeError)
 
 
+def test_blocking_collectives_report_failed_transfers_as_horovod_internal_error(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tagps.comm import collectives
+
+    class Broken:
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(collectives, "all_reduce_async", lambda *args: Broken())
+    with pytest.raises(hvd.HorovodInternalError, match="Connection closed by peer"):
+        hvd.allreduce(torch.ones(2), op=hvd.Max)
+    with pytest.raises(hvd.HorovodInternalError):
+        hvd.allreduce_(torch.ones(2), op=hvd.Min)
+
+
 def test_argument_errors(world_of_one: None) -> None:
     x = torch.ones(4)
     with pytest.raises(ValueError, match="op parameter supersedes average"):
