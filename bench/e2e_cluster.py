@@ -86,6 +86,12 @@ STRATEGIES = {
 }
 
 
+def _shown(path: Path) -> str:
+    """``path`` as the recorded commands name it: relative to the repository root when inside it."""
+    full = path.resolve()
+    return str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(path)
+
+
 def _machine() -> dict[str, Any]:
     return machine_info(cpu_key="cpu", kernel=platform.release())
 
@@ -298,10 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, runtime in STRATEGIES.items():
                 path = plans_dir / f"{key}-{name.lower().replace(' ', '-')}.json"
                 plans[key][name].save(path)
-                worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan", str(path),
+                plan_file = _shown(path)
+                worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan", plan_file,
                           "--runtime", runtime, "--steps", str(steps), "--warmup", "3"]  # fmt: skip
                 # --plan: the plan's devices and servers, not every device of the spec
-                job = f"tagps cluster run --plan {path} {spec_file} -- {shlex.join(worker)}"
+                job = f"tagps cluster run --plan {plan_file} {_shown(spec_file)} -- {shlex.join(worker)}"
                 job_commands[(key, name)] = job
                 commands.append(job_commands[(key, name)])
         best: dict[tuple[str, str], dict[str, Any]] = {}
@@ -377,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
         "quick": args.quick,
         "cluster": spec.to_dict(),
-        "cluster_file": str(spec_file),
+        "cluster_file": _shown(spec_file),
         "topology_measured": topology,
         "calibration": cal.to_dict(),
         "calibration_links_only": stages["links"].to_dict(),
