@@ -32,7 +32,7 @@ from tagps.comm.handle import Waitable
 from tagps.comm.local_reduce import LocalReducer
 from tagps.config import CommConfig, server_optimizer_config
 
-__all__ = ["PSService", "PSSubset"]
+__all__ = ["PSService", "PSSubset", "check_subset_ranks"]
 
 _WIRE_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
@@ -259,7 +259,7 @@ class PSService(_Summation):
                 machines but leaves out the local rank 0 of one of them (only that process has a PS
                 client and pushes for its machine).
         """
-        key = _check_ranks(self._cfg, ranks)
+        key = check_subset_ranks(self._cfg, ranks)
         if key not in self._subsets:
             self._subsets[key] = PSSubset(self._cfg, self._client, key)
         return self._subsets[key]
@@ -300,7 +300,7 @@ class PSSubset(_Summation):
     """
 
     def __init__(self, cfg: CommConfig, client: Any, ranks: Sequence[int]) -> None:
-        self.ranks = _check_ranks(cfg, ranks)
+        self.ranks = check_subset_ranks(cfg, ranks)
         machines = tuple(sorted({r // cfg.local_size for r in self.ranks}))
         local = [r % cfg.local_size for r in self.ranks if r // cfg.local_size == cfg.worker_id]
         member = cfg.rank in self.ranks
@@ -333,8 +333,11 @@ class PSSubset(_Summation):
             self._stop()
 
 
-def _check_ranks(cfg: CommConfig, ranks: Sequence[int]) -> tuple[int, ...]:
-    """Return ``ranks`` sorted after checking that a subset over them can be summed (see ``subset``)."""
+def check_subset_ranks(cfg: CommConfig, ranks: Sequence[int]) -> tuple[int, ...]:
+    """Return ``ranks`` sorted after checking that a subset over them can be summed (see ``subset``).
+
+    Needs no other process, so a caller can refuse a layout before anything collective.
+    """
     if isinstance(ranks, (str, bytes)) or not all(
         isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in ranks
     ):

@@ -36,6 +36,7 @@ from torch import fx, nn
 
 from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
+from tagps.config import CommConfig
 from tagps.strategy.plan import Plan, PlanError, load
 from tagps.torch import ops
 from tagps.torch.layout import Stage, plan_stages
@@ -95,25 +96,31 @@ class _StageSync:
     sfb: dict[nn.Parameter, str]
 
 
+def _numel(unit: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in unit)
+
+
 def _unit_key(unit: list[nn.Parameter], keys: dict[nn.Parameter, str]) -> str:
     """PS key of a bucket: its first parameter's, with the count of the others."""
     return keys[unit[0]] if len(unit) == 1 else f"{keys[unit[0]]}+{len(unit) - 1}"
 
 
 class _Bucketer:
-    """Gradient sync of one replicated stage: fixed-order buckets launched as their gradients arrive."""
+    """Gradient sync of one replicated stage: fixed-order buckets launched as their gradients arrive.
+
+    Args:
+        sync: the stage's buckets, methods and PS keys.
+        group: the replicas' ``torch.distributed`` subgroup (``None``: every worker).
+        ps: the summation service (or its subset) of the replicas, for ``ps`` buckets.
+        sfb: the SFB recorder of the stage's ``sfb`` weights.
+        overlap: launch buckets from gradient hooks during backward (else after the stage's backward).
+    """
 
     def __init__(
-        self,
-        units: list[list[nn.Parameter]],
-        method: dict[nn.Parameter, str],
-        keys: dict[nn.Parameter, str],
-        group: Any,
-        sfb: SufficientFactors | None,
-        overlap: bool,
+        self, sync: _StageSync, group: Any, ps: Any, sfb: SufficientFactors | None, overlap: bool
     ) -> None:
-        self.units, self.method, self.keys, self.group, self.sfb = units, method, keys, group, sfb
-        self.overlap = overlap
+        self.units, self.method, self.keys = sync.units, sync.method, sync.keys
+        self.group, self.ps, self.sfb, self.overlap = group, ps, sfb, overlap
         self.ready: set[nn.Parameter] = set()
         self.next = 0
         self.handles: list[Handle] = []
@@ -146,6 +153,12 @@ class _Bucketer:
             self.handles.append(self._launch(self.next, self.units[self.next]))
             self.next += 1
 
+    def _sum(self, tensor: torch.Tensor, method: str, key: str) -> Handle:
+        """Start summing ``tensor`` in place over the replicas."""
+        if method == "ps":
+            return Handle([self.ps.push_pull_async(key, tensor)], lambda: tensor, keep=(tensor,))
+        return ops.start_sum(tensor, method=method, name=key, group=self.group)
+
     def _launch(self, index: int, unit: list[nn.Parameter]) -> Handle:
         method = self.method[unit[0]]
         if method == "sfb":
@@ -156,12 +169,12 @@ class _Bucketer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if len(unit) == 1:
-            return ops.start_sum(unit[0].grad, method=method, name=self.keys[unit[0]], group=self.group)
+            return self._sum(unit[0].grad, method, self.keys[unit[0]])  # type: ignore[arg-type]
         flat = self.flat.get(index)
         if flat is None:
-            flat = self.flat[index] = torch.empty(sum(p.numel() for p in unit), dtype=unit[0].dtype)
+            flat = self.flat[index] = torch.empty(_numel(unit), dtype=unit[0].dtype)
         torch.cat([p.grad.reshape(-1) for p in unit], out=flat)  # type: ignore[union-attr]
-        inner = ops.start_sum(flat, method=method, name=_unit_key(unit, self.keys), group=self.group)
+        inner = self._sum(flat, method, _unit_key(unit, self.keys))
 
         def finish() -> torch.Tensor:
             offset = 0
@@ -190,7 +203,7 @@ class DistributedModel(nn.Module):
         # fails on every rank before step 0 instead of leaving the others waiting in a collective.
         error = None
         try:
-            syncs = self._build(model, st.cfg.size, st.cfg.device)
+            syncs = self._build(model, st.cfg)
         except ValueError as exc:  # PlanError, and SFB's refusal of a weight that is not a Linear's
             error = f"rank {self.rank}: {exc}"
         errors: list[str | None] = [error]
@@ -205,29 +218,53 @@ class DistributedModel(nn.Module):
             )
         self._connect(syncs)
 
-    def _build(self, model: nn.Module, size: int, launched_as: str | None) -> list[_StageSync]:
+    def _build(self, model: nn.Module, cfg: CommConfig) -> list[_StageSync]:
         """Everything that needs no other rank: stages, this rank's device, the split, the sync plan."""
         plan = self.plan
         self.stages = plan_stages(plan)
         devices = plan.worker_devices()
-        if size != len(devices):
+        if cfg.size != len(devices):
             raise PlanError(
                 f"the plan runs on {len(devices)} devices ({', '.join(devices)}) but the job has "
-                f"{size} worker processes"
+                f"{cfg.size} worker processes"
             )
         self.device = devices[self.rank]
-        if launched_as is not None and launched_as != self.device:
+        if cfg.device is not None and cfg.device != self.device:
             raise PlanError(
                 f"rank {self.rank} is plan device {self.device!r} but was launched as TAGPS_DEVICE="
-                f"{launched_as!r}: the job's ranks are mapped to the wrong machines"
+                f"{cfg.device!r}: the job's ranks are mapped to the wrong machines"
             )
         self._rank_of = {d: r for r, d in enumerate(devices)}
+        self._check_ps(cfg)
         gm = fx.GraphModule(model, fx.Tracer().trace(model))
         self._gm = [gm]  # a list: not a submodule, so parameters are listed once
         self._split(gm)
         return self._plan_syncs(model)
 
     # ------------------------------------------------------------------ construction
+    def _ps_stages(self) -> list[int]:
+        """Stages whose gradients sync (partly) by ps over more than one device, in order (every rank)."""
+        ps_groups = {g.group for g in self.plan.gradients.values() if g.sync == "ps"}
+        return [
+            s for s, st in enumerate(self.stages) if len(st.devices) > 1 and ps_groups & set(st.op_groups)
+        ]
+
+    def _check_ps(self, cfg: CommConfig) -> None:
+        """Refuse ps layouts the summation service cannot sum (it needs servers and each machine's pusher)."""
+        from tagps.comm.ps_service import check_subset_ranks
+
+        stages = self._ps_stages()
+        if stages and cfg.num_worker > 1 and cfg.num_server == 0:
+            raise PlanError(
+                f"groups[{self.stages[stages[0]].op_groups[0]}] syncs by ps but the job has no summation "
+                "servers (DMLC_NUM_SERVER=0): start servers (bpslaunch --servers S) or use allreduce"
+            )
+        for s in stages:
+            try:
+                check_subset_ranks(cfg, [self._rank_of[d] for d in self.stages[s].devices])
+            except ValueError as exc:
+                raise PlanError(f"groups[{self.stages[s].op_groups[0]}]: {exc}") from None
+
     def _split(self, gm: fx.GraphModule) -> None:
         nodes = list(gm.graph.nodes)
         calls = [n for n in nodes if n.op in ("call_module", "call_function", "call_method")]
@@ -305,7 +342,6 @@ class DistributedModel(nn.Module):
         """Parameter ownership and the sync buckets of this rank's replicated stages (no communication)."""
         names = {id(p): n for n, p in model.named_parameters()}
         plan = self.plan
-        world = len(self._rank_of)
         owner: dict[int, int] = {}
         syncs = []
         for s in self.my_stages:
@@ -328,11 +364,6 @@ class DistributedModel(nn.Module):
             method = {p: plan.gradients[names[id(p)]].sync for p in params}
             if all(m == "none" for m in method.values()):
                 continue
-            if "ps" in method.values() and len(stage.devices) != world:
-                raise PlanError(
-                    f"groups[{stage.op_groups[0]}] syncs by ps among {len(stage.devices)} of the "
-                    f"{world} workers: the summation servers sum over every worker; use allreduce"
-                )
             sfb = self._sfb_weights(params, method, names)
             for p, m in method.items():
                 if m == "sfb" and p.dim() == 1:
@@ -341,30 +372,41 @@ class DistributedModel(nn.Module):
             keys = {p: f"general.{names[id(p)]}" for p in params}
             syncs.append(_StageSync(s, _buckets(order, method, plan.comm.fusion_bytes), method, keys, sfb))
         self._local_params = [p for p in model.parameters() if id(p) in owner]
+        if not self._local_params:
+            # A worker whose ops have no parameters (an mp part of activations only) still builds its
+            # optimizer like the others: torch refuses an empty parameter list; this one never gets a grad.
+            self._local_params = [nn.Parameter(torch.zeros(0))]
         return syncs
 
     def _connect(self, syncs: list[_StageSync]) -> None:
-        """Create the replicas' process subgroups (every rank, same order), PS keys and gradient hooks."""
+        """Create the replicas' process subgroups and PS subsets (every rank, same order), keys and hooks."""
         groups: dict[tuple[int, ...], Any] = {}
         for stage in self.stages:
             ranks = tuple(sorted(self._rank_of[d] for d in stage.devices))
             if len(ranks) > 1 and ranks not in groups:
                 groups[ranks] = None if len(ranks) == len(self._rank_of) else dist.new_group(list(ranks))
+        summers: dict[int, Any] = {}
+        ps_stages = self._ps_stages()
+        if ps_stages:
+            service = ops.state().ps_service()
+            for s in ps_stages:
+                ranks = tuple(sorted(self._rank_of[d] for d in self.stages[s].devices))
+                summers[s] = service if len(ranks) == len(self._rank_of) else service.subset(ranks)
         self._bucketers: dict[int, _Bucketer] = {}
         self._hooks: list[Any] = []
         for sync in syncs:
             ps_units = [u for u in sync.units if sync.method[u[0]] == "ps"]
             if ps_units:
-                ops.state().ps_service().declare(
-                    [
-                        (_unit_key(u, sync.keys), torch.empty(sum(p.numel() for p in u), dtype=u[0].dtype))
-                        for u in ps_units
-                    ]
+                summers[sync.stage].declare(
+                    [(_unit_key(u, sync.keys), torch.empty(_numel(u), dtype=u[0].dtype)) for u in ps_units]
                 )
             ranks = tuple(sorted(self._rank_of[d] for d in self.stages[sync.stage].devices))
-            sfb = SufficientFactors(sync.sfb) if sync.sfb else None
             bucketer = _Bucketer(
-                sync.units, sync.method, sync.keys, groups[ranks], sfb, self.plan.comm.overlap
+                sync,
+                groups[ranks],
+                summers.get(sync.stage),
+                SufficientFactors(sync.sfb) if sync.sfb else None,
+                self.plan.comm.overlap,
             )
             self._bucketers[sync.stage] = bucketer
             for unit in sync.units:
@@ -399,7 +441,11 @@ class DistributedModel(nn.Module):
 
     # ------------------------------------------------------------------ the user's surface
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
-        """The parameters this worker holds (those of its stages): give these to the optimizer."""
+        """The parameters this worker holds (those of its stages): give these to the optimizer.
+
+        A worker that holds none gets one empty parameter (it never has a gradient), so that every worker
+        can build its optimizer the same way.
+        """
         return iter(self._local_params)
 
     def input_rows(self) -> tuple[int, int]:

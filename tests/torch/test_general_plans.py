@@ -311,7 +311,7 @@ def refused_cases() -> list[tuple[str, str, dict[str, Any], str]]:
             mlp_plan,
             r"the plan's op 'mul' .* is not an op of the traced model WideCNN",
         ),
-        ("ps on a subset", "mlp", ps_subset, r"syncs by ps among 2 of the 3 workers"),
+        ("ps without servers", "mlp", ps_subset, r"syncs by ps but the job has no summation servers"),
         ("job size", "mlp", two_devices, r"the plan runs on 2 devices \(a:0, a:1\) but the job has 3"),
         ("sfb_ops", "mlp", sfb_more, r"sfb_ops \['relu', 'fc3'\] asks to duplicate more than its nn.Linear"),
     ]
@@ -375,3 +375,16 @@ def test_random_plans_train_exactly_or_are_refused_by_name(tmp_path: Path) -> No
             assert_parity(results, name)
             trained += 1
     assert trained >= len(cases) // 2, f"only {trained} of {len(cases)} random plans trained"
+
+
+def test_ps_among_a_subset_of_the_workers_matches_one_process(tmp_path: Path) -> None:
+    three = {"a": 2, "b": 1}
+    shares = {"a:0": 2, "a:1": 3, "b:0": 2}
+    plans = {
+        "ps-subset": make_plan("mlp", three, [(0, ("a", "b"), "allreduce"), (5, ("a",), "ps")], shares),
+        "ps-all-then-subset": make_plan("cnn", three, [(0, ("a", "b"), "ps"), (7, ("a",), "ps")], shares),
+    }
+    cases = [{"name": n, "model": p["model"], "plan": p, "steps": 2} for n, p in plans.items()]
+    results = run(tmp_path, cases, 3, servers=1)
+    for name in plans:
+        assert_parity(results, name)
