@@ -55,7 +55,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["tagps", "tagps.*"]),
-    package_data={"tagps": ["py.typed", "strategy/weights/*.pt", "strategy/weights/*.json"]},
+    package_data={
+        "tagps": ["py.typed", "strategy/weights/*.pt", "strategy/weights/*.json", "strategy/profiles/*.json"]
+    },
     ext_modules=[CMakeExtension("tagps._core")],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["numpy>=1.24", "torch==2.13.0", "pyzmq>=25", "pyyaml>=6", "tqdm>=4.60"],
