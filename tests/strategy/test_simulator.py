@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -264,3 +265,86 @@ def test_baselines_are_valid_data_parallel_plans():
         assert sum(plan.batch_shares.values()) == 64
         assert set(plan.gradients) == set(sim.graph.params)
         assert Simulator.for_plan(plan, sim.graph).evaluate(plan) == sim.evaluate(plan)
+
+
+REGRESSION_FILE = Path(__file__).parent / "data" / "simulator_regression.json"
+
+
+def regression_cases() -> list[tuple[str, Simulator, Plan]]:
+    """A fixed set of plans: every baseline and random general plans with every option, PS servers, fusion
+    and optimizer, on paper-testbed, paper-cloud, random:3 and a 2+1 CPU topology (with its op profile)."""
+    cpu = topology(("a", "CPU", 2), ("b", "CPU", 1), inter_gbps=1.0, intra_gbps=40.0)
+    setups = [
+        ("vgg19", paper_testbed(), 64),
+        ("vgg19", paper_cloud(), 64),
+        ("transformer", random_topology(3), 32),
+        ("vgg-mini", cpu, 24),
+        ("transformer-mini", cpu, 12),
+    ]
+    cases: list[tuple[str, Simulator, Plan]] = []
+    for model, topo, batch in setups:
+        sim = sim_for(model, topo)
+        tag = f"{model}/{topo.name}"
+        for name, make in BASELINES.items():
+            cases.append((f"{tag}/{name}", sim, make(sim, batch)))
+        rng = random.Random(f"regression {tag}")
+        names = [g.name for g in sim.dgroups]
+        for k in range(7):
+            decided = None if k % 3 else rng.randint(1, 9)
+            plan = random_plan(sim, batch, rng, sfb_fraction=0.2, decided=decided)
+            plan = dataclasses.replace(
+                plan,
+                optimizer=rng.choice(["sgd", "momentum", "adam"]),
+                comm=CommSettings(
+                    overlap=rng.random() < 0.7, fusion_bytes=rng.choice([0, 1 << 20, 64 << 20])
+                ),
+                ps_servers=tuple(n for n in names if rng.random() < 0.5),
+            ).validate()
+            cases.append((f"{tag}/random{k}", sim, plan))
+    return cases
+
+
+def regression_figures(result) -> dict[str, object]:
+    """What the regression test compares: iteration time, peak memory, busy time and group finish times."""
+    return {
+        "iteration_time": result.iteration_time,
+        "peak_memory": result.peak_memory,
+        "busy": result.busy,
+        "group_finish": result.group_finish,
+        "tasks": len(result.tasks),
+        "task_ends": sum(t.end for t in result.tasks),
+        "op_ends": sum(end for _, end in result.op_times.values()),
+    }
+
+
+def write_regression_file() -> None:
+    """Record the figures of :func:`regression_cases` (run once, before a change that must not alter them)."""
+    cases = regression_cases()
+    figures = {key: regression_figures(sim.evaluate(plan, trace=True)) for key, sim, plan in cases}
+    REGRESSION_FILE.parent.mkdir(exist_ok=True)
+    REGRESSION_FILE.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+
+
+def test_simulator_results_match_the_recorded_regression_set():
+    expected = json.loads(REGRESSION_FILE.read_text())
+    cases = regression_cases()
+    assert sorted(key for key, _, _ in cases) == sorted(expected)
+    for key, sim, plan in cases:
+        got = json.loads(json.dumps(regression_figures(sim.evaluate(plan, trace=True))))
+        want = expected[key]
+        assert got.keys() == want.keys(), key
+        for field_name, value in want.items():
+            flat_got = value_list(got[field_name])
+            flat_want = value_list(value)
+            assert len(flat_got) == len(flat_want), (key, field_name)
+            for a, b in zip(flat_got, flat_want, strict=True):
+                assert a == pytest.approx(b, rel=1e-12, abs=0.0), (key, field_name)
+
+
+def value_list(value: object) -> list[float]:
+    """Numbers of a figure in a fixed order (dicts by key)."""
+    if isinstance(value, dict):
+        return [float(value[k]) for k in sorted(value)]
+    if isinstance(value, list):
+        return [float(v) for v in value]
+    return [float(value)]
