@@ -2,8 +2,9 @@
 
 On an emulated cluster when root allows (a fast machine with two devices on 1 Gbit/s and a slow one with a
 quarter core on 200 Mbit/s), otherwise on two local processes: measure the topology, load (or make) the
-simulator's calibration, search a data-parallel plan with MCTS on the calibrated simulator, train
-``vgg-mini`` for a few dozen steps with the plan (``tagps.torch``) and with ``DistributedDataParallel``
+simulator's calibration, search a plan with MCTS on the calibrated simulator (op groups may get their own
+devices and options: ``tagps.torch.distribute`` runs such plans), train ``vgg-mini`` for a few dozen steps
+with the plan (``tagps.torch``) and with ``DistributedDataParallel``
 (gloo all-reduce), and print measured and predicted step times and the loss of each.
 """
 
@@ -55,10 +56,20 @@ class DemoRow:
 
 
 def _describe(plan: Any) -> str:
+    """Devices and shares, then the sync methods (data-parallel) or the op groups' layouts (general)."""
+    shares = ",".join(str(plan.batch_shares.get(d, 0)) for d in plan.worker_devices())
+    if plan.kind == "general":
+        runs: list[list[Any]] = []  # consecutive op groups with the same placement and option
+        for g in plan.groups:
+            key = f"{'+'.join(g.placement)}/{g.option}"
+            if runs and runs[-1][0] == key:
+                runs[-1][1] += 1
+            else:
+                runs.append([key, 1])
+        return f"{len(plan.worker_devices())} dev [{shares}] " + " ".join(f"{k}x{n}" for k, n in runs)
     syncs: dict[str, int] = {}
     for g in plan.gradients.values():
         syncs[g.sync] = syncs.get(g.sync, 0) + 1
-    shares = ",".join(str(plan.batch_shares[d]) for d in plan.devices())
     methods = " ".join(f"{k}:{v}" for k, v in sorted(syncs.items()))
     return f"{len(plan.devices())} dev [{shares}] {methods}"
 
@@ -126,7 +137,7 @@ def demo(steps: int = 24, local: bool = False, log: Callable[[str], None] = prin
         graph = model_graph(MODEL)
         grouping = group_ops(graph, GROUPS)
         sim = cal.simulator(graph, grouping, executor.topology)
-        found = search(sim, BATCH, SearchConfig(iterations=200, data_parallel=True, seed=0))
+        found = search(sim, BATCH, SearchConfig(iterations=200, seed=0))
         if found.plan is None:
             raise RuntimeError(f"the search found no feasible plan for {MODEL} on {executor.where}")
         plan = dataclasses.replace(found.plan, topology=executor.topology)
