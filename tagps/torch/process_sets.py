@@ -112,7 +112,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
                 f"add_process_set is collective and needs the same ranks on every worker: this worker passed "
                 f"{ps.ranks}, worker(s) {differing} passed {[everyone[r] for r in differing]}"
             )
-    if any(other.ranks == ps.ranks for other in _registered.values()):
+    # Every rank is the global set already (id 0), as Horovod counts it.
+    if ps.ranks == list(range(size)) or any(other.ranks == ps.ranks for other in _registered.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
     # new_group is collective over the whole job: every worker creates every subgroup, members or not.
     ps._group = dist.new_group(ps.ranks) if size > 1 else None

@@ -27,6 +27,7 @@ INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 DTYPES = (torch.float32, torch.float64, torch.float16, *INT_DTYPES)
 OPS = ("Average", "Sum", "Min", "Max", "Product")
 CHECKS: dict[str, Callable[[int, int], None]] = {}
+INIT_SET = hvd.ProcessSet([0, 1])  # registered by the worker's init
 
 
 def check(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
@@ -320,6 +321,8 @@ def process_sets(rank: int, size: int) -> None:
         _assert_equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=odd), torch.ones(1), "set of one")
     with pytest.raises(ValueError, match="duplicate process set"):
         hvd.add_process_set([0, 2])
+    with pytest.raises(ValueError, match="duplicate process set"):
+        hvd.add_process_set(list(range(size)))  # the global set
     with pytest.raises(ValueError, match="needs the same ranks on every worker"):
         hvd.add_process_set([0, 1] if rank == 0 else [1, 2])
     assert hvd.remove_process_set(evens) and evens.process_set_id is None and evens.size() is None
@@ -327,6 +330,16 @@ def process_sets(rank: int, size: int) -> None:
     assert hvd.remove_process_set(odd)
     with pytest.raises(ValueError, match="is not registered"):
         hvd.allreduce(torch.ones(1), process_set=evens)
+
+
+@check
+def init_registered_its_process_sets(rank: int, size: int) -> None:
+    """The worker passed ``INIT_SET`` to ``init(process_sets=...)``."""
+    assert INIT_SET.process_set_id is not None and INIT_SET.size() == 2
+    assert INIT_SET.included() == (rank < 2)
+    if rank < 2:
+        out = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=INIT_SET)
+        _assert_equal(out, torch.full((1,), 2.0), "set from init")
 
 
 def _model(seed: int) -> nn.Module:
@@ -526,7 +539,7 @@ def _worker() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     names = json.loads(args.cases.read_text())
-    hvd.init()
+    hvd.init(process_sets=[INIT_SET])
     results: dict[str, str] = {}
     for name in names:
         try:
@@ -719,16 +732,14 @@ def test_timeline_records_every_collective_and_gradient(world_of_one: None, tmp_
     assert json.loads(path.read_text()) == events
 
 
-def test_init_registers_process_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_refuses_a_copy_of_the_global_set(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in _LAYOUT:
         monkeypatch.delenv(name, raising=False)
-    ps = hvd.ProcessSet([0])
-    hvd.init(process_sets=[ps])
     try:
-        assert ps.process_set_id == 1 and ps.size() == 1
+        with pytest.raises(ValueError, match="duplicate process set"):
+            hvd.init(process_sets=[hvd.ProcessSet([0])])  # in a job of one, rank 0 is every rank
     finally:
         hvd.shutdown()
-    assert ps.process_set_id is None  # shutdown forgets every set
 
 
 if __name__ == "__main__":
