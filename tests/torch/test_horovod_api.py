@@ -427,6 +427,13 @@ def optimizer_over_a_process_set(rank: int, size: int) -> None:
         for got, w in zip(_step_grads(opt, model, xs[rank]), want, strict=True):
             assert torch.allclose(got, w, rtol=1e-5, atol=1e-6)
         del opt
+        with pytest.raises(ValueError, match=re.escape("asks for ['ps', 'sfb'], which serve every worker")):
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                model.named_parameters(),
+                process_set=evens,
+                strategy={"0.weight": "sfb", "default": "ps"},
+            )
     else:
         model = _model(0)
         with pytest.raises(ValueError, match="is not part of ProcessSet"):
