@@ -7,10 +7,13 @@ CUDA); the ``ps`` method goes through the intra-machine reduction and the summat
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from tagps.comm.handle import Handle
+from tagps.config import comm_config
 from tagps.torch import elastic, ops, process_sets
 from tagps.torch.collective_ops import (
     HorovodInternalError,
@@ -93,6 +96,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "declare",
     "distribute",
     "elastic",
     "global_process_set",
@@ -124,12 +128,14 @@ __all__ = [
     "reducescatter",
     "reducescatter_async",
     "remove_process_set",
+    "resume",
     "rocm_built",
     "shutdown",
     "size",
     "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
+    "suspend",
     "synchronize",
 ]
 
@@ -266,6 +272,51 @@ def push_pull_inplace(
 ) -> torch.Tensor:
     """Sum (or average) ``tensor`` over every worker in place and return it."""
     return synchronize(push_pull_async_inplace(tensor, average, name, priority, compression))
+
+
+def declare(name: str) -> None:
+    """Declare a tensor name before its first ``push_pull`` (BytePS's call).
+
+    BytePS assigns server keys in declaration order; tagps keys tensors by their names, so declaring only
+    checks the name.
+
+    Args:
+        name: the tensor's name, as later passed to ``push_pull``.
+
+    Raises:
+        TypeError: ``name`` is not a non-empty string.
+    """
+    ops.state()
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"declare needs a non-empty tensor name, got {name!r}")
+
+
+def suspend() -> None:
+    """Stop communicating until :func:`resume` (BytePS elastic); outstanding operations finish first."""
+    shutdown()
+
+
+def resume(num_workers: int, num_servers: int, global_rank: int = -1, context: object = None) -> None:
+    """Rejoin the job after :func:`suspend` (BytePS elastic), with the layout it had.
+
+    Args:
+        num_workers: worker machines (``DMLC_NUM_WORKER``).
+        num_servers: summation servers (``DMLC_NUM_SERVER``).
+        global_rank: this process's rank (-1: unchanged).
+        context: BytePS's optimizer context; unused.
+
+    Raises:
+        NotImplementedError: another number of workers or servers, or another rank: a tagps job keeps the
+            layout ``bpslaunch`` gave it (elastic scaling is not implemented).
+    """
+    cfg = comm_config(os.environ)
+    if (num_workers, num_servers) != (cfg.num_worker, cfg.num_server) or global_rank not in (-1, cfg.rank):
+        raise NotImplementedError(
+            f"resume({num_workers}, {num_servers}, global_rank={global_rank}) changes the job started with "
+            f"{cfg.num_worker} worker machines, {cfg.num_server} servers and rank {cfg.rank}: elastic "
+            "scaling is not implemented in tagps"
+        )
+    init()
 
 
 def _known(handle: Handle) -> set[Handle]:

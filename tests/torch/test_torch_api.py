@@ -415,3 +415,15 @@ def test_plan_sfb_ops_beyond_the_owning_linear_are_refused(world_of_one: None) -
         opt.step()
         opt.zero_grad()
         del opt
+
+
+def test_byteps_declare_suspend_resume(world_of_one: None) -> None:
+    bps.declare("fc.weight")
+    with pytest.raises(TypeError, match="non-empty tensor name"):
+        bps.declare("")
+    bps.suspend()
+    assert not bps.is_initialized()
+    bps.resume(1, 0)
+    assert bps.is_initialized() and torch.equal(bps.push_pull(torch.ones(2)), torch.ones(2))
+    with pytest.raises(NotImplementedError, match="elastic scaling is not implemented"):
+        bps.resume(2, 0)
