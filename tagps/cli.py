@@ -104,8 +104,19 @@ def _run_cluster_run(args: argparse.Namespace) -> int:
     if not command:
         print("tagps cluster run: give the worker command after --", file=sys.stderr)
         return 2
+    devices = servers = None
     try:
         spec = load_spec(args.spec)
+        if args.plan:
+            from tagps.cluster.experiment import plan_servers
+            from tagps.strategy.plan import load
+
+            plan = load(args.plan)
+            devices, servers = plan.worker_devices(), plan_servers(plan)
+            # Checked before anything starts: a rank on a device the spec lacks would train the wrong layout.
+            missing = [d for d in devices if d not in spec.devices()]
+            if missing:
+                raise ValueError(f"plan {args.plan} runs on {missing}, which cluster {spec.name!r} lacks")
         cluster = attach(spec.name)
         ephemeral = cluster is None
         if cluster is None:
@@ -114,7 +125,7 @@ def _run_cluster_run(args: argparse.Namespace) -> int:
         print(f"tagps cluster run: {exc}", file=sys.stderr)
         return 1
     try:
-        return cluster.run(command)
+        return cluster.run(command, devices=devices, servers=servers)
     finally:
         if ephemeral:
             cluster.down()
@@ -134,7 +145,12 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
         "run", help="run scheduler, servers and workers of SPEC.yaml in their namespaces (up if needed)"
     )
     run.add_argument("spec", help="cluster spec (YAML/JSON)")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD: the worker command")
+    run.add_argument(
+        "--plan",
+        help="run one worker per device of this plan (rank r on its r-th worker device, TAGPS_DEVICE set) "
+        "and the summation servers it needs; default: every device and the spec's servers",
+    )
+    run.add_argument("command", nargs="*", help="-- CMD: the worker command (main() splits it off at --)")
     run.set_defaults(func=_run_cluster_run)
     down = cluster.add_parser(
         "down", help="remove every tagps- namespace, link, cgroup and record (also after a crash)"
@@ -272,7 +288,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"tagps plan: {exc}", file=sys.stderr)
         return 2
-    total = budget.iterations if budget.iterations is not None else budget.seconds
+    total = config.total_iterations if budget.iterations is not None else budget.seconds
     unit = "it" if budget.iterations is not None else "s"
     with tqdm(total=total, unit=unit, desc="searching", disable=args.quiet) as bar:
         clock = [0.0]
@@ -426,7 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `tagps` command line and return its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is a worker command (tagps cluster run): split it off before
+    # argparse, which would otherwise stop matching options after SPEC or swallow the command's own.
+    command: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if command:
+        if not hasattr(args, "command"):
+            build_parser().error("only `tagps cluster run` takes a command after --")
+        args.command = command
     return int(args.func(args) or 0)
 
 

@@ -221,3 +221,68 @@ def _running(index: int) -> bool:
     """Whether a process runs in one of network ``index``'s cgroups."""
     root, version = cg.cgroup_root()
     return any(cg.CpuCgroup(p, version, 1.0).pids() for p in root.glob(f"tagps-{index}-*"))
+
+
+GENERAL_SPEC = {
+    "name": "t-general",
+    "machines": [
+        {"name": "a", "workers": 2, "cpu": 0.9, "rate_mbit": 200},
+        {"name": "b", "workers": 1, "cpu": 0.5, "rate_mbit": 100},
+    ],
+}
+
+
+@pytest.mark.usefixtures("root_cluster")
+def test_tagps_plan_and_a_general_plan_train_under_cluster_run(tmp_path: Path) -> None:
+    """`tagps plan` (whole space) and a hand-made general plan both train under `tagps cluster run --plan`."""
+    import dataclasses
+
+    from tagps.cli import main
+    from tagps.strategy.plan import GradientSync, Plan, load
+    from tagps.strategy.simulator import Simulator
+
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(GENERAL_SPEC))
+    cluster = up(GENERAL_SPEC)
+    try:
+        topology = cluster.topology(seconds=0.3)
+        topo_path = tmp_path / "topology.json"
+        topo_path.write_text(json.dumps(topology.to_dict()))
+        searched = tmp_path / "searched.json"
+        argv = ["plan", "--model", "vgg-mini", "--topology", str(topo_path), "--batch", "12",
+                "--budget", "40", "--prior", "uniform", "--quiet", "-o", str(searched)]  # fmt: skip
+        assert main(argv) == 0
+        # Convolutions replicated on every device, the classifier on machine a only.
+        sim = Simulator.for_model("vgg-mini", topology, groups=4)
+        base = load(searched)
+        from tagps.strategy.baselines import op_group_plan
+
+        last = len(sim.groups) - 1
+        groups = tuple(
+            op_group_plan(sim, i, ("a",) if i == last else ("a", "b"), "allreduce")
+            for i in range(len(sim.groups))
+        )
+        gradients = {n: GradientSync(i, "allreduce") for i, g in enumerate(sim.groups) for n in g.param_names}
+        general = Plan(topology, "vgg-mini", 12, groups, gradients, {"a:0": 4, "a:1": 4, "b:0": 4}).validate()
+        general = dataclasses.replace(general, optimizer=base.optimizer)
+        general_path = tmp_path / "general.json"
+        general.save(general_path)
+        for plan_path in (searched, general_path):
+            out = tmp_path / f"{plan_path.stem}-result.json"
+            worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", "vgg-mini",
+                      "--plan", str(plan_path), "--steps", "2", "--warmup", "1",
+                      "--out", str(out)]  # fmt: skip
+            log = tmp_path / f"{plan_path.stem}.log"
+            with log.open("wb") as sink:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "tagps.cli", "cluster", "run", str(spec_path),
+                     "--plan", str(plan_path), "--", *worker],
+                    stdout=sink, stderr=subprocess.STDOUT, timeout=240, check=False,
+                )  # fmt: skip
+            assert proc.returncode == 0, log.read_text()[-3000:]
+            result = json.loads(out.read_text())
+            assert result["devices"] == load(plan_path).worker_devices()
+            assert len(result["losses"]) == 3 and all(x == x and x > 0 for x in result["losses"])
+        assert json.loads((tmp_path / "general-result.json").read_text())["kind"] == "general"
+    finally:
+        cluster.down()
