@@ -29,7 +29,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tagps.strategy.devices import DeviceType
 from tagps.strategy.graph import Graph, model_graph
@@ -235,6 +235,8 @@ class _Schedule:
 
 @dataclass(frozen=True)
 class _GroupCost:
+    """What the costing needs of one op group: its ops, its parameters and its activations."""
+
     ops: tuple[int, ...]
     param_names: tuple[str, ...]
     param_bytes: int
@@ -243,13 +245,427 @@ class _GroupCost:
 
 @dataclass(frozen=True)
 class _MPSegment:
-    """Consecutive parts of a model-parallel op group that run on one device group."""
+    """Consecutive METIS parts of an ``mp`` op group that run on one device group (one chain task)."""
 
     dgroup: int
     fwd: float
     bwd: float
     out_bytes: int  # per sample, to later segments
     memory: dict[int, tuple[int, int, int]]  # device index -> (param bytes, activation bytes/sample, params)
+
+
+# How an op group's input from producer op group ``src`` arrives, recorded in the forward pass so that the
+# backward pass returns the gradient the same way. NamedTuples: thousands are made per evaluation.
+class _Direct(NamedTuple):
+    """The producer is laid out like the consumer: its output is already in place, on every device group."""
+
+    src: int
+
+
+class _Local(NamedTuple):
+    """Device group ``dgroup`` already holds some of the samples it needs (no transfer for those)."""
+
+    src: int
+    dgroup: int
+
+
+class _Transfer(NamedTuple):
+    """Device group ``dgroup`` receives the samples it lacks from ``sources`` over its NIC (``duration`` s);
+    in backward the gradient goes back at the same cost to every source."""
+
+    src: int
+    dgroup: int
+    duration: float
+    sources: tuple[int, ...]
+
+
+class _Broadcast(NamedTuple):
+    """A ``duplicate`` op group's full-batch input is broadcast to the devices of ``dgroup`` over its bus
+    (``duration`` s); in backward the copies' gradients are reduced inside the device group at that cost."""
+
+    src: int
+    dgroup: int
+    duration: float
+
+
+_Input = _Direct | _Local | _Transfer | _Broadcast
+
+# A task's label: (category, op group or -1, device group / server / source op group or -1).
+_Label = tuple[str, int, int]
+
+
+class _FusionBucket:
+    """The all-reduce being filled under tensor fusion: its members, bytes and op groups (backward order)."""
+
+    __slots__ = ("groups", "members", "nbytes")
+
+    def __init__(self, members: dict[int, int]) -> None:
+        self.members = members
+        self.nbytes = 0
+        self.groups: list[int] = []
+
+
+class _TaskGraph:
+    """The training graph of one plan (``docs/simulator.md``, "The training graph") as tasks of a schedule.
+
+    Built phase by phase, each reading what the earlier ones left: :meth:`lay_out` (each op group's batch
+    per device), :meth:`forward`, :meth:`backward`, :meth:`sync` and :meth:`apply` (which also sums the
+    memory per device). Task creation order decides ties in the schedule, so the phases run in this order.
+
+    Args:
+        sim: the simulator (costs, caches, topology).
+        plan: a plan that fits ``sim`` (checked by the caller).
+    """
+
+    __slots__ = (
+        "barrier",
+        "batch",
+        "bwd_done",
+        "exits",
+        "fbatch",
+        "fwd_out",
+        "fwd_tasks",
+        "inputs",
+        "layouts",
+        "memory",
+        "mp_segments",
+        "plan",
+        "sched",
+        "sfb_bytes",
+        "sim",
+        "sync_done",
+    )
+
+    def __init__(self, sim: Simulator, plan: Plan) -> None:
+        self.sim, self.plan = sim, plan
+        self.sched = _Schedule()
+        self.batch = plan.batch_size
+        self.fbatch = float(plan.batch_size)
+        # Per op group: {device group: per-device batch (0: device not used)}.
+        self.layouts: list[dict[int, list[float]]] = []
+        # Per op group: its METIS segments when ``mp``, else None.
+        self.mp_segments: list[list[_MPSegment] | None] = []
+        # Per op group: {device group: the task that leaves its output there}.
+        self.fwd_out: list[dict[int, int]] = []
+        # Per op group: {device group: samples of its output there}.
+        self.exits: list[dict[int, float]] = []
+        self.inputs: list[list[_Input]] = []  # per op group: how each input arrived
+        self.fwd_tasks: list[list[int]] = []  # per op group: its forward tasks
+        self.bwd_done: list[dict[int, int]] = []  # per op group: {device group: its last backward task}
+        self.barrier: int | None = None  # without overlap: the end of the whole backward
+        self.sync_done: list[list[int]] = [[] for _ in sim.dgroups]  # per device group: what apply waits for
+        self.sfb_bytes: list[float] = [0.0] * len(sim.groups)  # per op group: gathered SFB factors
+        self.memory: list[list[float]] = []  # per device group, per device: peak bytes
+
+    def lay_out(self) -> None:
+        """Lay out every op group; op groups with the same placement and option share one layout object."""
+        sim, plan, batch, fbatch = self.sim, self.plan, self.batch, self.fbatch
+        dgroups, dindex = sim.dgroups, sim.dindex
+        shares = [[plan.batch_shares.get(f"{g.name}:{k}", 0) for k in range(g.count)] for g in dgroups]
+        cache: dict[tuple[tuple[str, ...], str], dict[int, list[float]]] = {}
+        for gp in plan.groups:
+            key = (gp.placement, gp.option)
+            per = cache.get(key)
+            if per is None:
+                idx = [dindex[name] for name in gp.placement]
+                per = {}
+                if gp.option in ("allreduce", "ps"):
+                    total = sum(sum(shares[g]) for g in idx)
+                    for g in idx:
+                        if any(shares[g]):
+                            per[g] = [batch * s / total for s in shares[g]]
+                else:
+                    for g in idx:
+                        per[g] = [fbatch] * dgroups[g].count
+                cache[key] = per
+            self.layouts.append(per)
+
+    def forward(self) -> None:
+        """Add the forward tasks in topological order, with the transfers and broadcasts of their inputs."""
+        sim, plan, add = self.sim, self.plan, self.sched.add
+        dgroups, dindex, bw = sim.dgroups, sim.dindex, sim.bw
+        nic = len(dgroups)
+        bus = 2 * nic
+        batch, fbatch = self.batch, self.fbatch
+        inter_lat, intra_lat = sim.topology.inter_latency_s, sim.topology.intra_latency_s
+        layouts, fwd_out, exits = self.layouts, self.fwd_out, self.exits
+        for i, gp in enumerate(plan.groups):
+            per = layouts[i]
+            option = gp.option
+            if option == "mp":
+                segs = sim._mp_layout(i, tuple(dindex[name] for name in gp.placement), batch)
+                entry = [segs[0].dgroup]
+            else:
+                segs = None
+                entry = list(per)
+            self.mp_segments.append(segs)
+            deps: dict[int, list[int]] = {g: [] for g in entry}
+            inputs: list[_Input] = []
+            for j, nbytes in sim.preds[i]:
+                src = layouts[j]
+                if (
+                    option != "mp"
+                    and plan.groups[j].option != "mp"
+                    and (src is per or src == per)
+                    and ((option == "duplicate") == (plan.groups[j].option == "duplicate"))
+                ):
+                    for g in entry:
+                        deps[g].append(fwd_out[j][g])
+                    inputs.append(_Direct(j))
+                    continue
+                have = exits[j]
+                for g in entry:
+                    need = fbatch if option in ("duplicate", "mp") else sum(per[g])
+                    local = have.get(g, 0.0)
+                    edge_deps: list[int] = []
+                    if local > 0:
+                        edge_deps.append(fwd_out[j][g])
+                        inputs.append(_Local(j, g))
+                    sources = [h for h in have if h != g]
+                    if sources and need - local > 1e-9 * fbatch:  # tolerance: shares are float ratios
+                        dur = (need - local) * nbytes / min(bw[h][g] for h in sources) + inter_lat
+                        t = add(dur, (nic + g,), [fwd_out[j][h] for h in sources], ("transfer", i, j))
+                        edge_deps.append(t)
+                        inputs.append(_Transfer(j, g, dur, tuple(sources)))
+                    if option == "duplicate" and dgroups[g].count > 1:
+                        dur = fbatch * nbytes / bw[g][g] + intra_lat
+                        t = add(dur, (bus + g,), edge_deps, ("broadcast", i, j))
+                        edge_deps = [t]
+                        inputs.append(_Broadcast(j, g, dur))
+                    deps[g] += edge_deps
+            self.inputs.append(inputs)
+            tasks: list[int] = []
+            out: dict[int, int] = {}
+            if segs is not None:
+                prev: list[int] = deps[entry[0]]
+                for k, seg in enumerate(segs):
+                    if k:  # the cut tensors from the previous segment
+                        before = segs[k - 1]
+                        seg_bytes = before.out_bytes * fbatch
+                        dur = seg_bytes / bw[before.dgroup][seg.dgroup] + inter_lat if seg_bytes else 0.0
+                        prev = [add(dur, (nic + seg.dgroup,), prev, ("transfer", i, i))]
+                    t = add(seg.fwd, (seg.dgroup,), prev, ("forward", i, seg.dgroup))
+                    tasks.append(t)
+                    prev = [t]
+                out[segs[-1].dgroup] = tasks[-1]
+                exits.append({segs[-1].dgroup: fbatch})
+            else:
+                for g, row in per.items():
+                    out[g] = t = add(sim.group_time(i, g, max(row))[0], (g,), deps[g], ("forward", i, g))
+                    tasks.append(t)
+                exits.append({g: (fbatch if option == "duplicate" else sum(row)) for g, row in per.items()})
+            fwd_out.append(out)
+            self.fwd_tasks.append(tasks)
+
+    def backward(self) -> None:
+        """Add the backward tasks in reverse order, returning each input's gradient the way it came."""
+        sim, add, fbatch = self.sim, self.sched.add, self.fbatch
+        bw, nic = sim.bw, len(sim.dgroups)
+        bus = 2 * nic
+        inter_lat = sim.topology.inter_latency_s
+        fwd_out = self.fwd_out
+        ngroups = len(sim.groups)
+        grad_deps: list[dict[int, list[int]]] = [{} for _ in range(ngroups)]  # what a backward waits for
+        bwd_done: list[dict[int, int]] = [{} for _ in range(ngroups)]
+        all_bwd: list[int] = []
+        for i in range(ngroups - 1, -1, -1):
+            segs = self.mp_segments[i]
+            gd = grad_deps[i]
+            bwd_entry: dict[int, int] = {}  # backward task producing input gradients on device group g
+            if segs is not None:
+                prev = [fwd_out[i][segs[-1].dgroup], *gd.get(segs[-1].dgroup, [])]
+                for k in range(len(segs) - 1, -1, -1):
+                    seg = segs[k]
+                    t = add(seg.bwd, (seg.dgroup,), prev, ("backward", i, seg.dgroup))
+                    bwd_done[i][seg.dgroup] = t
+                    all_bwd.append(t)
+                    prev = [t]
+                    if k:
+                        before = segs[k - 1]
+                        seg_bytes = before.out_bytes * fbatch
+                        dur = seg_bytes / bw[seg.dgroup][before.dgroup] + inter_lat if seg_bytes else 0.0
+                        prev = [add(dur, (nic + before.dgroup,), prev, ("transfer", i, i))]
+                bwd_entry[segs[0].dgroup] = prev[0]
+            else:
+                for g, row in self.layouts[i].items():
+                    d = gd.get(g, [])
+                    d.append(fwd_out[i][g])
+                    t = add(sim.group_time(i, g, max(row))[1], (g,), d, ("backward", i, g))
+                    bwd_done[i][g] = bwd_entry[g] = t
+                    all_bwd.append(t)
+            for rec in self.inputs[i]:
+                target = grad_deps[rec.src]
+                kind = type(rec)
+                if kind is _Direct:
+                    for g, t in bwd_entry.items():
+                        target.setdefault(g, []).append(t)
+                elif kind is _Local:
+                    target.setdefault(rec.dgroup, []).append(bwd_entry[rec.dgroup])
+                elif kind is _Transfer:
+                    g = rec.dgroup
+                    t = add(rec.duration, (nic + g,), [bwd_entry[g]], ("transfer", rec.src, i))
+                    for h in rec.sources:
+                        target.setdefault(h, []).append(t)
+                else:  # _Broadcast
+                    g = rec.dgroup
+                    t = add(rec.duration, (bus + g,), [bwd_entry[g]], ("reduce", rec.src, i))
+                    target.setdefault(g, []).append(t)
+        self.bwd_done = bwd_done
+        if not self.plan.comm.overlap:
+            self.barrier = add(0.0, (), all_bwd, ("barrier", -1, -1))
+
+    def sync(self) -> None:
+        """Add the gradient synchronisation of every replicated op group, in backward order.
+
+        Raises:
+            ValueError: a parameter has no gradient entry in the plan.
+        """
+        sim, plan, add = self.sim, self.plan, self.sched.add
+        dtypes, dindex, fbatch = sim.dtypes, sim.dindex, self.fbatch
+        inter_lat, intra_lat = sim.topology.inter_latency_s, sim.topology.intra_latency_s
+        gradients, params, param_index = plan.gradients, sim.graph.params, sim.param_index
+        ops, owner = sim.graph.ops, sim.owner_op
+        bwd_done, sync_done, barrier = self.bwd_done, self.sync_done, self.barrier
+        fusion = plan.comm.fusion_bytes if plan.comm.overlap else 0
+        bucket: _FusionBucket | None = None
+        for i in range(len(sim.groups) - 1, -1, -1):
+            gp = plan.groups[i]
+            names = sim.groups[i].param_names
+            if gp.option not in ("allreduce", "ps"):
+                for name in names:
+                    if name not in gradients:
+                        raise ValueError(f"plan has no gradient entry for parameter {name!r}")
+                continue
+            per = self.layouts[i]
+            members, n = sim._members(per)
+            ar_bytes = ar_count = 0
+            ps_bytes: dict[int, list[float]] = {}  # server device group -> [bytes, tensors]
+            sfb: list[str] = []
+            for name in names:
+                entry = gradients.get(name)
+                if entry is None:
+                    raise ValueError(f"plan has no gradient entry for parameter {name!r}")
+                sync = entry.sync
+                if sync == "allreduce":
+                    ar_bytes += params[name]
+                    ar_count += 1
+                elif sync == "ps":
+                    servers = plan.ps_servers or gp.placement
+                    ns = len(servers)
+                    size = params[name]
+                    first = param_index[name]
+                    parts = -(-size // PS_PARTITION_BYTES)
+                    for q in range(min(parts, ns)):  # partitions go round-robin over the servers
+                        slot = ps_bytes.setdefault(dindex[servers[(first + q) % ns]], [0.0, 0])
+                        slot[0] += size * (parts // ns + (1 if q < parts % ns else 0)) / parts
+                        slot[1] += 1
+                else:
+                    sfb.append(name)
+            if n == 1 or not names:
+                continue
+            deps = [barrier] if barrier is not None else [bwd_done[i][g] for g in per]
+            if ar_bytes:
+                if fusion:
+                    if bucket is not None and bucket.members != members:
+                        self._flush(bucket)
+                        bucket = None
+                    if bucket is None:
+                        bucket = _FusionBucket(members)
+                    bucket.nbytes += ar_bytes
+                    bucket.groups.append(i)
+                    if bucket.nbytes >= fusion:
+                        self._flush(bucket)
+                        bucket = None
+                else:
+                    bmin, lat, res = sim._ring(members)
+                    t = add(
+                        ring_allreduce_time(ar_bytes, n, bmin, lat, ar_count), res, deps, ("allreduce", i, -1)
+                    )
+                    for g in per:
+                        sync_done[g].append(t)
+            for s, (nbytes, count) in ps_bytes.items():
+                coef, res, remote = sim._ps(members, s)
+                dur = 2 * nbytes * coef + 2 * count * (inter_lat if remote else intra_lat)
+                t = add(dur, res, deps, ("ps", i, s))
+                for g in per:
+                    sync_done[g].append(t)
+            if sfb:
+                bmin, lat, res = sim._ring(members)
+                for name in sfb:
+                    op = ops[owner[name]]
+                    per_sample, dup_flops = sim.sfb_factors(name, gradients[name].sfb_ops)
+                    factor = per_sample * fbatch
+                    self.sfb_bytes[i] += factor
+                    t = add(allgather_time(factor, n, bmin, lat), res, deps, ("sfb", i, -1))
+                    wgrad = op.fwd_flops * params[name] / max(op.param_bytes, 1) + dup_flops
+                    for g, row in per.items():
+                        extra = dtypes[g].op_time(wgrad * (fbatch - max(row)), factor)
+                        sync_done[g].append(add(extra, (g,), [t], ("sfb-compute", i, g)))
+        if bucket is not None:
+            self._flush(bucket)
+
+    def _flush(self, bucket: _FusionBucket) -> None:
+        """Add the fused all-reduce of ``bucket``: one latency term, plus copying in and out of the buffer."""
+        sim, members, nbytes = self.sim, bucket.members, bucket.nbytes
+        bmin, lat, res = sim._ring(members)
+        n = sum(members.values())
+        dur = ring_allreduce_time(nbytes, n, bmin, lat) + FUSION_COPIES * nbytes / (
+            min(sim.dtypes[g].memory_bandwidth * sim.dtypes[g].memory_efficiency for g in members)
+        )
+        deps = [self.bwd_done[i][g] for i in bucket.groups for g in members]
+        t = self.sched.add(dur, res, deps, ("allreduce", bucket.groups[0], -1))
+        for g in members:
+            self.sync_done[g].append(t)
+
+    def apply(self) -> None:
+        """Sum the memory per device and add one apply task per device group, after its syncs."""
+        sim, plan, fbatch = self.sim, self.plan, self.fbatch
+        dgroups, dtypes, layouts = sim.dgroups, sim.dtypes, self.layouts
+        state = OPTIMIZER_STATE[plan.optimizer]
+        ndg = len(dgroups)
+        mem = [[0.0] * g.count for g in dgroups]
+        apply_bytes = [0.0] * ndg
+        apply_count = [0] * ndg
+        # Op groups sharing a layout object are summed first, then spread over its devices once:
+        # id(layout) -> [layout, static bytes per device, activation bytes per sample].
+        per_layout: dict[int, list[Any]] = {}
+        for i, cost in enumerate(sim.groups):
+            segs = self.mp_segments[i]
+            if segs is not None:
+                for seg in segs:
+                    row = mem[seg.dgroup]
+                    for k, (pbytes, abytes, _) in seg.memory.items():
+                        row[k] += pbytes * (2 + state) + abytes * fbatch
+                    # Devices of a device group apply in parallel: it waits for its busiest device.
+                    pbytes, _, nparams = max(seg.memory.values())
+                    apply_bytes[seg.dgroup] += pbytes
+                    apply_count[seg.dgroup] += nparams
+                continue
+            slot = per_layout.get(id(layouts[i]))
+            if slot is None:
+                slot = per_layout[id(layouts[i])] = [layouts[i], 0.0, 0.0]
+            slot[1] += cost.param_bytes * (2 + state) + self.sfb_bytes[i]
+            slot[2] += cost.act_bytes
+            for g in layouts[i]:
+                apply_bytes[g] += cost.param_bytes
+                apply_count[g] += len(cost.param_names)
+        for layout, static, act in per_layout.values():
+            for g, row in layout.items():
+                mrow = mem[g]
+                for k, b in enumerate(row):
+                    if b > 0:
+                        mrow[k] += static + act * b
+        self.memory = mem
+        barrier = self.barrier
+        for g in range(ndg):
+            if apply_count[g]:
+                d = [barrier] if barrier is not None else [tasks[g] for tasks in self.bwd_done if g in tasks]
+                self.sched.add(
+                    sim.apply_time(apply_bytes[g], apply_count[g], dtypes[g], plan.optimizer),
+                    (g,),
+                    d + self.sync_done[g],
+                    ("apply", -1, g),
+                )
 
 
 class Simulator:
@@ -636,317 +1052,26 @@ class Simulator:
         return result
 
     def _evaluate(self, plan: Plan, trace: bool) -> SimResult:
-        groups = self.groups
-        if len(plan.groups) != len(groups):
+        if len(plan.groups) != len(self.groups):
             raise ValueError(
-                f"plan has {len(plan.groups)} op groups, the simulator's grouping has {len(groups)}"
+                f"plan has {len(plan.groups)} op groups, the simulator's grouping has {len(self.groups)}"
             )
         if plan.topology.groups != self.topology.groups:
             raise ValueError(f"plan was made for topology {plan.topology.name!r}, not {self.topology.name!r}")
-        dgroups, dtypes, bw = self.dgroups, self.dtypes, self.bw
-        ndg = len(dgroups)
-        nic, bus = ndg, 2 * ndg
-        batch = plan.batch_size
-        fbatch = float(batch)
-        shares = [[plan.batch_shares.get(f"{g.name}:{k}", 0) for k in range(g.count)] for g in dgroups]
-        inter_lat, intra_lat = self.topology.inter_latency_s, self.topology.intra_latency_s
-        sched = _Schedule()
-        add = sched.add
-
-        # Layout of every op group: {device group: per-device batch (0: device not used)}.
-        layout_cache: dict[tuple[tuple[str, ...], str], dict[int, list[float]]] = {}
-        layouts: list[dict[int, list[float]]] = []
-        for gp in plan.groups:
-            key = (gp.placement, gp.option)
-            per = layout_cache.get(key)
-            if per is None:
-                idx = [self.dindex[name] for name in gp.placement]
-                per = {}
-                if gp.option in ("allreduce", "ps"):
-                    total = sum(sum(shares[g]) for g in idx)
-                    for g in idx:
-                        if any(shares[g]):
-                            per[g] = [batch * s / total for s in shares[g]]
-                else:
-                    for g in idx:
-                        per[g] = [fbatch] * dgroups[g].count
-                layout_cache[key] = per
-            layouts.append(per)
-
-        # ---------------- forward
-        fwd_out: list[dict[int, int]] = []  # task that leaves group i's output on device group g
-        exits: list[dict[int, float]] = []  # samples of group i's output available per device group
-        mp_segments: list[list[_MPSegment] | None] = []
-        in_records: list[list[tuple[Any, ...]]] = []
-        fwd_tasks: list[list[int]] = []
-        for i, gp in enumerate(plan.groups):
-            per = layouts[i]
-            option = gp.option
-            if option == "mp":
-                order = tuple(self.dindex[name] for name in gp.placement)
-                segs = self._mp_layout(i, order, batch)
-                entry = [segs[0].dgroup]
-            else:
-                segs = None
-                entry = list(per)
-            mp_segments.append(segs)
-            deps: dict[int, list[int]] = {g: [] for g in entry}
-            records: list[tuple[Any, ...]] = []
-            for j, nbytes in self.preds[i]:
-                src = layouts[j]
-                if (
-                    option != "mp"
-                    and plan.groups[j].option != "mp"
-                    and (src is per or src == per)
-                    and ((option == "duplicate") == (plan.groups[j].option == "duplicate"))
-                ):
-                    for g in entry:
-                        deps[g].append(fwd_out[j][g])
-                    records.append(("direct", j))
-                    continue
-                have = exits[j]
-                for g in entry:
-                    need = fbatch if option in ("duplicate", "mp") else sum(per[g])
-                    local = have.get(g, 0.0)
-                    edge_deps: list[int] = []
-                    if local > 0:
-                        edge_deps.append(fwd_out[j][g])
-                        records.append(("local", j, g))
-                    sources = [h for h in have if h != g]
-                    if sources and need - local > 1e-9 * fbatch:  # tolerance: shares are float ratios
-                        dur = (need - local) * nbytes / min(bw[h][g] for h in sources) + inter_lat
-                        t = add(dur, (nic + g,), [fwd_out[j][h] for h in sources], ("transfer", i, j))
-                        edge_deps.append(t)
-                        records.append(("xfer", j, g, dur, (nic + g,), sources))
-                    if option == "duplicate" and dgroups[g].count > 1:
-                        dur = fbatch * nbytes / bw[g][g] + intra_lat
-                        t = add(dur, (bus + g,), edge_deps, ("broadcast", i, j))
-                        edge_deps = [t]
-                        records.append(("bcast", j, g, dur, (bus + g,)))
-                    deps[g] += edge_deps
-            in_records.append(records)
-            tasks: list[int] = []
-            if segs is not None:
-                out: dict[int, int] = {}
-                prev: list[int] = deps[entry[0]]
-                for k, seg in enumerate(segs):
-                    if k:
-                        before = segs[k - 1]
-                        seg_bytes = before.out_bytes * fbatch
-                        dur = seg_bytes / bw[before.dgroup][seg.dgroup] + inter_lat if seg_bytes else 0.0
-                        prev = [add(dur, (nic + seg.dgroup,), prev, ("transfer", i, i))]
-                    t = add(seg.fwd, (seg.dgroup,), prev, ("forward", i, seg.dgroup))
-                    tasks.append(t)
-                    prev = [t]
-                out[segs[-1].dgroup] = tasks[-1]
-                exits.append({segs[-1].dgroup: fbatch})
-                fwd_out.append(out)
-            else:
-                out = {}
-                for g, row in per.items():
-                    out[g] = t = add(self.group_time(i, g, max(row))[0], (g,), deps[g], ("forward", i, g))
-                    tasks.append(t)
-                exits.append({g: (fbatch if option == "duplicate" else sum(row)) for g, row in per.items()})
-                fwd_out.append(out)
-            fwd_tasks.append(tasks)
-
-        # ---------------- backward (reverse order); grad_deps[j][g]: what group j's backward on g waits for
-        grad_deps: list[dict[int, list[int]]] = [{} for _ in groups]
-        bwd_done: list[dict[int, int]] = [{} for _ in groups]  # group i's last backward task per device group
-        all_bwd: list[int] = []
-        for i in range(len(groups) - 1, -1, -1):
-            segs = mp_segments[i]
-            gd = grad_deps[i]
-            bwd_entry: dict[int, int] = {}  # backward task producing input gradients on device group g
-            if segs is not None:
-                prev = [fwd_out[i][segs[-1].dgroup], *gd.get(segs[-1].dgroup, [])]
-                for k in range(len(segs) - 1, -1, -1):
-                    seg = segs[k]
-                    t = add(seg.bwd, (seg.dgroup,), prev, ("backward", i, seg.dgroup))
-                    bwd_done[i][seg.dgroup] = t
-                    all_bwd.append(t)
-                    prev = [t]
-                    if k:
-                        before = segs[k - 1]
-                        seg_bytes = before.out_bytes * fbatch
-                        dur = seg_bytes / bw[seg.dgroup][before.dgroup] + inter_lat if seg_bytes else 0.0
-                        prev = [add(dur, (nic + before.dgroup,), prev, ("transfer", i, i))]
-                bwd_entry[segs[0].dgroup] = prev[0]
-            else:
-                for g, row in layouts[i].items():
-                    d = gd.get(g, [])
-                    d.append(fwd_out[i][g])
-                    t = add(self.group_time(i, g, max(row))[1], (g,), d, ("backward", i, g))
-                    bwd_done[i][g] = bwd_entry[g] = t
-                    all_bwd.append(t)
-            for rec in in_records[i]:
-                kind, j = rec[0], rec[1]
-                target = grad_deps[j]
-                if kind == "direct":
-                    for g, t in bwd_entry.items():
-                        target.setdefault(g, []).append(t)
-                elif kind == "local":
-                    target.setdefault(rec[2], []).append(bwd_entry[rec[2]])
-                elif kind == "xfer":
-                    _, _, g, dur, res, sources = rec
-                    t = add(dur, res, [bwd_entry[g]], ("transfer", j, i))
-                    for h in sources:
-                        target.setdefault(h, []).append(t)
-                else:  # bcast: the copies' gradients are reduced inside the group
-                    _, _, g, dur, res = rec
-                    target.setdefault(g, []).append(add(dur, res, [bwd_entry[g]], ("reduce", j, i)))
-
-        # ---------------- gradient synchronisation
-        barrier = None if plan.comm.overlap else add(0.0, (), all_bwd, ("barrier", -1, -1))
-        gradients = plan.gradients
-        params = self.graph.params
-        param_index = self.param_index
-        ops = self.graph.ops
-        owner = self.owner_op
-        sync_done: list[list[int]] = [[] for _ in range(ndg)]  # per device group: tasks apply waits for
-        sfb_bytes: list[float] = [0.0] * len(groups)
-        fusion = plan.comm.fusion_bytes if plan.comm.overlap else 0
-        bucket: list[Any] = []  # [members, bytes, groups]
-
-        def flush() -> None:
-            if not bucket:
-                return
-            members, nbytes, in_bucket = bucket
-            bmin, lat, res = self._ring(members)
-            n = sum(members.values())
-            dur = ring_allreduce_time(nbytes, n, bmin, lat) + FUSION_COPIES * nbytes / (
-                min(dtypes[g].memory_bandwidth * dtypes[g].memory_efficiency for g in members)
-            )
-            d = [bwd_done[i][g] for i in in_bucket for g in members]
-            t = add(dur, res, d, ("allreduce", in_bucket[0], -1))
-            for g in members:
-                sync_done[g].append(t)
-            bucket.clear()
-
-        for i in range(len(groups) - 1, -1, -1):
-            gp = plan.groups[i]
-            names = groups[i].param_names
-            if gp.option not in ("allreduce", "ps"):
-                for name in names:
-                    if name not in gradients:
-                        raise ValueError(f"plan has no gradient entry for parameter {name!r}")
-                continue
-            per = layouts[i]
-            members, n = self._members(per)
-            ar_bytes = ar_count = 0
-            ps_bytes: dict[int, list[int]] = {}
-            sfb: list[str] = []
-            for name in names:
-                entry = gradients.get(name)
-                if entry is None:
-                    raise ValueError(f"plan has no gradient entry for parameter {name!r}")
-                sync = entry.sync
-                if sync == "allreduce":
-                    ar_bytes += params[name]
-                    ar_count += 1
-                elif sync == "ps":
-                    servers = plan.ps_servers or gp.placement
-                    ns = len(servers)
-                    size = params[name]
-                    first = param_index[name]
-                    parts = -(-size // PS_PARTITION_BYTES)
-                    for q in range(min(parts, ns)):  # partitions go round-robin over the servers
-                        slot = ps_bytes.setdefault(self.dindex[servers[(first + q) % ns]], [0.0, 0])
-                        slot[0] += size * (parts // ns + (1 if q < parts % ns else 0)) / parts
-                        slot[1] += 1
-                else:
-                    sfb.append(name)
-            if n == 1 or not names:
-                continue
-            deps = [barrier] if barrier is not None else [bwd_done[i][g] for g in per]
-            if ar_bytes:
-                if fusion:
-                    if bucket and bucket[0] != members:
-                        flush()
-                    if not bucket:
-                        bucket.extend([members, 0, []])
-                    bucket[1] += ar_bytes
-                    bucket[2].append(i)
-                    if bucket[1] >= fusion:
-                        flush()
-                else:
-                    bmin, lat, res = self._ring(members)
-                    t = add(
-                        ring_allreduce_time(ar_bytes, n, bmin, lat, ar_count), res, deps, ("allreduce", i, -1)
-                    )
-                    for g in per:
-                        sync_done[g].append(t)
-            for s, (nbytes, count) in ps_bytes.items():
-                coef, res, remote = self._ps(members, s)
-                dur = 2 * nbytes * coef + 2 * count * (inter_lat if remote else intra_lat)
-                t = add(dur, res, deps, ("ps", i, s))
-                for g in per:
-                    sync_done[g].append(t)
-            if sfb:
-                bmin, lat, res = self._ring(members)
-                for name in sfb:
-                    op = ops[owner[name]]
-                    per_sample, dup_flops = self.sfb_factors(name, gradients[name].sfb_ops)
-                    factor = per_sample * fbatch
-                    sfb_bytes[i] += factor
-                    t = add(allgather_time(factor, n, bmin, lat), res, deps, ("sfb", i, -1))
-                    wgrad = op.fwd_flops * params[name] / max(op.param_bytes, 1) + dup_flops
-                    for g, row in per.items():
-                        extra = dtypes[g].op_time(wgrad * (fbatch - max(row)), factor)
-                        sync_done[g].append(add(extra, (g,), [t], ("sfb-compute", i, g)))
-        flush()
-
-        # ---------------- apply, memory
-        state = OPTIMIZER_STATE[plan.optimizer]
-        mem = [[0.0] * g.count for g in dgroups]
-        apply_bytes = [0.0] * ndg
-        apply_count = [0] * ndg
-        per_layout: dict[int, list[Any]] = {}
-        for i, cost in enumerate(groups):
-            segs = mp_segments[i]
-            if segs is not None:
-                for seg in segs:
-                    row = mem[seg.dgroup]
-                    for k, (pbytes, abytes, _) in seg.memory.items():
-                        row[k] += pbytes * (2 + state) + abytes * fbatch
-                    # Devices of a group apply in parallel: the group waits for its busiest device.
-                    pbytes, _, nparams = max(seg.memory.values())
-                    apply_bytes[seg.dgroup] += pbytes
-                    apply_count[seg.dgroup] += nparams
-                continue
-            # Groups sharing a layout object are summed first, then spread over its devices once.
-            slot = per_layout.get(id(layouts[i]))
-            if slot is None:
-                slot = per_layout[id(layouts[i])] = [layouts[i], 0.0, 0.0, 0]
-            slot[1] += cost.param_bytes * (2 + state) + sfb_bytes[i]
-            slot[2] += cost.act_bytes
-            slot[3] += len(cost.param_names)
-            for g in layouts[i]:
-                apply_bytes[g] += cost.param_bytes
-                apply_count[g] += len(cost.param_names)
-        for layout, static, act, _ in per_layout.values():
-            for g, row in layout.items():
-                mrow = mem[g]
-                for k, b in enumerate(row):
-                    if b > 0:
-                        mrow[k] += static + act * b
-        for g in range(ndg):
-            if apply_count[g]:
-                d = [barrier] if barrier is not None else [tasks[g] for tasks in bwd_done if g in tasks]
-                add(
-                    self.apply_time(apply_bytes[g], apply_count[g], dtypes[g], plan.optimizer),
-                    (g,),
-                    d + sync_done[g],
-                    ("apply", -1, g),
-                )
-
-        start, finish, busy = sched.run(self.nres)
+        graph = _TaskGraph(self, plan)
+        graph.lay_out()
+        graph.forward()
+        graph.backward()
+        graph.sync()
+        graph.apply()
+        start, finish, busy = graph.sched.run(self.nres)
         total = max(finish, default=0.0)
+        mem = graph.memory
         peak: dict[str, int] = {}
         oom: list[str] = []
         busy_dev: dict[str, float] = {}
         idle_dev: dict[str, float] = {}
-        for g, dg in enumerate(dgroups):
+        for g, dg in enumerate(self.dgroups):
             for k in range(dg.count):
                 name = f"{dg.name}:{k}"
                 peak[name] = int(mem[g][k])
@@ -955,21 +1080,15 @@ class Simulator:
                 used = mem[g][k] > 0
                 busy_dev[name] = busy[g] if used else 0.0
                 idle_dev[name] = total - busy_dev[name]
-        group_finish = [max(finish[t] for t in bwd_done[i].values()) for i in range(len(groups))]
+        group_finish = [max(finish[t] for t in done.values()) for done in graph.bwd_done]
         result = SimResult(total, not oom, tuple(oom), peak, busy_dev, idle_dev, group_finish)
         if trace:
-            self._record(result, sched, start, finish, fwd_tasks, mp_segments)
+            self._record(result, graph, start, finish)
         return result
 
-    def _record(
-        self,
-        result: SimResult,
-        sched: _Schedule,
-        start: list[float],
-        finish: list[float],
-        fwd_tasks: list[list[int]],
-        mp_segments: list[list[_MPSegment] | None],
-    ) -> None:
+    def _record(self, result: SimResult, graph: _TaskGraph, start: list[float], finish: list[float]) -> None:
+        """Fill ``result.tasks`` and ``result.op_times`` from the schedule of ``graph``."""
+        sched = graph.sched
         n = len(self.dgroups)
         kinds = ("compute", "nic", "bus")
         for t, (category, i, extra) in enumerate(sched.names):
@@ -982,8 +1101,8 @@ class Simulator:
                 label = f"transfer g{min(i, extra)}-g{max(i, extra)}"
             result.tasks.append(TaskRecord(label, category, resource, start[t], finish[t]))
         ops = self.graph.ops
-        for i, tasks in enumerate(fwd_tasks):
-            if mp_segments[i] is not None or not tasks:
+        for i, tasks in enumerate(graph.fwd_tasks):
+            if graph.mp_segments[i] is not None or not tasks:
                 continue
             t = tasks[0]
             g = sched.names[t][2]
