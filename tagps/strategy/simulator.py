@@ -1,13 +1,15 @@
 """The virtual runtime: expands graph + topology + plan into a training graph and list-schedules it.
 
 One iteration is forward, backward, gradient synchronisation and the optimizer's apply. Every op group
-becomes one compute task per device group it runs on (the devices of a group run in lockstep at the
-largest per-device batch among them); tensors crossing device groups become transfer tasks; gradients
-become collective tasks. Resources are one compute stream per device group, one NIC channel per device
-group (inter-group traffic) and one bus channel per device group (intra-group traffic). A task starts
-when its predecessors are done and all its resources are free; resources serve tasks in the order they
-become ready (ties: creation order), from a heap of ``(finish time, creation index)`` events. Costs (see
-``docs/simulator.md``):
+becomes one compute task per device group it runs on (the devices of a device group run in lockstep at
+the largest per-device batch among them); tensors crossing device groups become transfer tasks;
+gradients become collective tasks. ``_TaskGraph`` builds these tasks phase by phase and ``_Schedule``
+runs them. Local reduction groups (devices under one PCIe switch) are not modelled: a device group's
+devices share one intra-group bandwidth. Resources are one compute stream per device group, one NIC
+channel per device group (inter-group traffic) and one bus channel per device group (intra-group
+traffic). A task starts when its predecessors are done and all its resources are free; resources serve
+tasks in the order they become ready (ties: creation order), from a heap of ``(finish time, creation
+index)`` events. Costs (see ``docs/simulator.md``):
 
 .. math::
     t_{ring}(S, n) = \\frac{2(n-1)}{n}\\frac{S}{B_{min}} + 2(n-1)\\,\\alpha\\,c
@@ -163,7 +165,7 @@ class SimResult:
 
 
 class _Schedule:
-    """Task graph under construction plus the list scheduler (plain lists for speed)."""
+    """Tasks (durations, resources, successors; plain lists for speed) and the list scheduler."""
 
     __slots__ = ("add", "dur", "names", "npred", "res", "succ")
 
@@ -669,14 +671,14 @@ class _TaskGraph:
 
 
 class Simulator:
-    """Costs plans for one (graph, grouping, topology); per-group costs are computed once and cached.
+    """Costs plans for one (graph, grouping, topology); per-op-group costs are computed once and cached.
 
     Args:
         graph: the model's op graph.
         grouping: its op groups (the plan's ``groups`` must list the same ops in the same order).
         topology: the device topology plans are made for.
         device_types: optional calibrated device types, keyed by device-group name or by device-type name
-            (a group's own entry wins), overriding the table's.
+            (a device group's own entry wins), overriding the table's.
         seed: METIS seed for model-parallel splits.
         profiles: measured op profiles keyed by device-type name; default: the profile of ``graph.name``
             for each device type that :func:`~tagps.strategy.profiles.find_profile` finds. ``{}`` keeps the
@@ -686,7 +688,7 @@ class Simulator:
     group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
     topology's device groups) with their ``dtypes`` and the bandwidth matrix ``bw`` (bytes/s, diagonal =
     intra-group); :meth:`group_time` gives an op group's forward/backward seconds on a device group and
-    :meth:`mp_assignment` the split of an ``mp`` group that the plan records.
+    :meth:`mp_assignment` the split of an ``mp`` op group that the plan records.
     """
 
     def __init__(
@@ -911,7 +913,7 @@ class Simulator:
         """METIS parts of op group ``group`` over device groups ``order``, each op's part, each part's device.
 
         The parts, in topological order, go to consecutive devices ``(device group, index)`` of the
-        placement starting at device ``group mod k``, so that groups with fewer parts than devices do not
+        placement starting at device ``group mod k``, so that op groups with fewer parts than devices do not
         all land on the first device. The one place that decides an mp split: the costing
         (:meth:`_mp_layout`) and the plan (:meth:`mp_assignment`) both read it.
         """
