@@ -124,7 +124,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._overlap = plan_doc.comm.overlap if plan_doc is not None else True
         self._method = {p: plan.methods[self._names[p]] for p in self._params}
         if self._group is not None:
-            other = sorted({m for m in self._method.values()} - {"allreduce", "none"})
+            other = sorted(set(self._method.values()) - {"allreduce", "none"})
             if other:
                 raise ValueError(
                     f"with a process_set, gradients are all-reduced within the set; the strategy asks for "
