@@ -42,6 +42,7 @@ from tagps.strategy.topology import Topology
 
 __all__ = [
     "OPTIMIZER_STATE",
+    "HostCpu",
     "SimResult",
     "Simulator",
     "TaskRecord",
@@ -88,6 +89,41 @@ def allgather_time(nbytes: float, n: int, bandwidth: float, latency: float, coun
     if n == 1 or nbytes <= 0:
         return 0.0
     return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency * count
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """The CPU that PS communication takes from a CPU machine's quota (BytePS's path; 0: not costed).
+
+    Each cost is CPU seconds on one full core; a machine runs it at ``q = min(1, devices · share)`` cores,
+    ``share`` = a device's peak FLOP/s over ``core_flops`` (one thread under the machine's quota). Only
+    device groups of device type ``CPU`` are costed (a GPU machine's host CPU is not modelled).
+
+    Args:
+        core_flops: peak FLOP/s of one full core.
+        copy_s_per_byte: per byte of a message, for each side: serialisation and socket copies (memory
+            passes over the memory bandwidth).
+        sum_s_per_byte: per byte summed by the summation kernel (``tagps.kernels.sum_into``).
+        message_s: per message (one partition): the ZeroMQ I/O thread.
+    """
+
+    core_flops: float
+    copy_s_per_byte: float = 0.0
+    sum_s_per_byte: float = 0.0
+    message_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.core_flops < float("inf"):
+            raise ValueError(f"HostCpu: core_flops must be positive and finite, got {self.core_flops!r}")
+        for name in ("copy_s_per_byte", "sum_s_per_byte", "message_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"HostCpu: {name} must be >= 0 and finite, got {value!r}")
+
+    @property
+    def costed(self) -> bool:
+        """Whether any cost is non-zero (else the simulator skips this model: the old results exactly)."""
+        return bool(self.copy_s_per_byte or self.sum_s_per_byte or self.message_s)
 
 
 @dataclass(frozen=True)
@@ -528,6 +564,7 @@ class _TaskGraph:
         gradients, params, param_index = plan.gradients, sim.graph.params, sim.param_index
         ops, owner = sim.graph.ops, sim.owner_op
         bwd_done, sync_done, barrier = self.bwd_done, self.sync_done, self.barrier
+        host = sim.host_cpu is not None
         fusion = plan.comm.fusion_bytes if plan.comm.overlap else 0
         bucket: _FusionBucket | None = None
         for i in range(len(sim.groups) - 1, -1, -1):
@@ -541,7 +578,7 @@ class _TaskGraph:
             per = self.layouts[i]
             members, n = sim._members(per)
             ar_bytes = ar_count = 0
-            ps_bytes: dict[int, list[float]] = {}  # server device group -> [bytes, tensors]
+            ps_bytes: dict[int, list[float]] = {}  # server device group -> [bytes, tensors, partitions]
             sfb: list[str] = []
             for name in names:
                 entry = gradients.get(name)
@@ -558,9 +595,11 @@ class _TaskGraph:
                     first = param_index[name]
                     parts = -(-size // PS_PARTITION_BYTES)
                     for q in range(min(parts, ns)):  # partitions go round-robin over the servers
-                        slot = ps_bytes.setdefault(dindex[servers[(first + q) % ns]], [0.0, 0])
-                        slot[0] += size * (parts // ns + (1 if q < parts % ns else 0)) / parts
+                        slot = ps_bytes.setdefault(dindex[servers[(first + q) % ns]], [0.0, 0, 0])
+                        mine = parts // ns + (1 if q < parts % ns else 0)
+                        slot[0] += size * mine / parts
                         slot[1] += 1
+                        slot[2] += mine
                 else:
                     sfb.append(name)
             if n == 1 or not names:
@@ -585,12 +624,21 @@ class _TaskGraph:
                     )
                     for g in per:
                         sync_done[g].append(t)
-            for s, (nbytes, count) in ps_bytes.items():
+            for s, (nbytes, count, partitions) in ps_bytes.items():
                 coef, res, remote = sim._ps(members, s)
                 dur = 2 * nbytes * coef + 2 * count * (inter_lat if remote else intra_lat)
+                busy: list[tuple[int, float]] = []
+                if host:
+                    server_s, busy = sim._ps_cpu(members, s, nbytes, partitions)
+                    # Partitions pipeline the network and the server's CPU (credits keep both busy).
+                    dur = max(dur, server_s) + min(dur, server_s) / partitions
                 t = add(dur, res, deps, ("ps", i, s))
                 for g in per:
                     sync_done[g].append(t)
+                for g, seconds in busy:  # the CPU taken from each machine's quota, off its compute
+                    t = add(seconds, (g,), deps, ("ps-cpu", i, g))
+                    if g in per:
+                        sync_done[g].append(t)
             if sfb:
                 bmin, lat, res = sim._ring(members)
                 for name in sfb:
@@ -683,6 +731,7 @@ class Simulator:
         profiles: measured op profiles keyed by device-type name; default: the profile of ``graph.name``
             for each device type that :func:`~tagps.strategy.profiles.find_profile` finds. ``{}`` keeps the
             roofline everywhere. A profile applies to device groups with its peak FLOP/s.
+        host_cpu: the CPU that PS communication takes from CPU machines (default: not costed).
 
     Attributes (read-only, for the search): ``graph``, ``grouping``, ``topology``; ``groups`` (per op
     group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
@@ -699,6 +748,7 @@ class Simulator:
         device_types: dict[str, DeviceType] | None = None,
         seed: int = 0,
         profiles: dict[str, Profile] | None = None,
+        host_cpu: HostCpu | None = None,
     ) -> None:
         self.graph, self.grouping, self.topology, self.seed = graph, grouping, topology, seed
         overrides = device_types or {}
@@ -709,6 +759,14 @@ class Simulator:
         self.bw = [[topology.bandwidth(a.name, b.name) for b in self.dgroups] for a in self.dgroups]
         # Resources: compute stream g, NIC g (n + g), bus g (2n + g).
         self.nres = 3 * n
+        self.host_cpu = host_cpu if host_cpu is not None and host_cpu.costed else None
+        # Cores of each machine's quota that one communication thread can use (0: not a costed CPU machine).
+        self._cpu_cores = [
+            min(1.0, g.count * t.peak_flops / host_cpu.core_flops)
+            if host_cpu is not None and t.name == "CPU"
+            else 0.0
+            for g, t in zip(self.dgroups, self.dtypes, strict=True)
+        ]
         self.param_index = {name: i for i, name in enumerate(graph.params)}
         owner_op: dict[str, int] = {}
         for i, op in enumerate(graph.ops):
@@ -895,6 +953,36 @@ class Simulator:
             res = (n + server,) if remote else tuple(2 * n + w for w in members)
             hit = self._ps_cache[key] = (coef, res, bool(remote))
         return hit
+
+    def _ps_cpu(
+        self, members: dict[int, int], server: int, nbytes: float, partitions: int
+    ) -> tuple[float, list[tuple[int, float]]]:
+        """CPU that syncing ``nbytes`` in ``partitions`` through ``server`` takes (needs :attr:`host_cpu`).
+
+        The server receives a push from each of the ``k`` member device groups, sums it in and sends each a
+        pull; a worker device group first sums its ``m_w`` devices' gradients, then pushes and pulls:
+
+        .. math::
+            t_s = \\frac{k S (2 c_{copy} + c_{sum}) + 2 k P c_{msg}}{q_s}, \\quad
+            t_w = \\frac{S (2 c_{copy} + (m_w - 1) c_{sum}) + 2 P c_{msg}}{q_w}
+
+        Returns:
+            The server's seconds (0 on a machine that is not costed) and ``(device group, seconds)`` for
+            every costed machine involved, server first.
+        """
+        host, cores = self.host_cpu, self._cpu_cores
+        assert host is not None  # internal: only called with host_cpu set
+        copy, summ, msg = host.copy_s_per_byte, host.sum_s_per_byte, host.message_s
+        k = len(members)
+        server_s = 0.0
+        busy: list[tuple[int, float]] = []
+        if cores[server]:
+            server_s = (k * nbytes * (2 * copy + summ) + 2 * k * partitions * msg) / cores[server]
+            busy.append((server, server_s))
+        for w, m in members.items():
+            if cores[w]:
+                busy.append((w, (nbytes * (2 * copy + (m - 1) * summ) + 2 * partitions * msg) / cores[w]))
+        return server_s, busy
 
     def _mp_parts(self, group: int, k: int) -> tuple[list[tuple[int, ...]], dict[int, int]]:
         """METIS split of op group ``group`` into at most ``k`` parts and each op's part (cached)."""

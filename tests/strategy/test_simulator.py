@@ -20,6 +20,7 @@ from tagps.strategy.grouping import group_ops
 from tagps.strategy.plan import CommSettings, GradientSync, OpGroupPlan, Plan
 from tagps.strategy.simulator import (
     APPLY_TRAFFIC,
+    HostCpu,
     Simulator,
     allgather_time,
     ring_allreduce_time,
@@ -348,3 +349,47 @@ def value_list(value: object) -> list[float]:
     if isinstance(value, list):
         return [float(v) for v in value]
     return [float(value)]
+
+
+HOST = HostCpu(160e9, copy_s_per_byte=2 / 17e9, sum_s_per_byte=1 / 37e9, message_s=10e-6)
+
+
+def cpu_cluster(cores: float) -> Topology:
+    """Two one-device CPU machines under a quota of ``cores`` each (the device's share of a core)."""
+    groups = tuple(DeviceGroup(n, "CPU", 1, 40.0, peak_flops=160e9 * cores) for n in ("a", "b"))
+    return Topology("quota", groups, 1.0)
+
+
+def test_ps_through_a_colocated_server_takes_cpu_from_a_quotad_machine():
+    extra = {}
+    for cores in (1.0, 0.25):
+        base = sim_for("vgg-mini", cpu_cluster(cores))
+        costed = Simulator(base.graph, base.grouping, base.topology, host_cpu=HOST)
+        plan = BASELINES["byteps-like"](base, 16)
+        before, after = base.evaluate(plan).iteration_time, costed.evaluate(plan, trace=True)
+        assert after.iteration_time > before
+        assert {t.resource for t in after.tasks if t.category == "ps-cpu"} == {"a/compute", "b/compute"}
+        extra[cores] = after.iteration_time - before
+        # all-reduce keeps its ring model (the host CPU is costed on the PS path only)
+        ring = BASELINES["dp-nccl"](base, 16)
+        assert costed.evaluate(ring).iteration_time == base.evaluate(ring).iteration_time
+    assert extra[0.25] > 3 * extra[1.0]  # a quarter of a core: about four times the CPU seconds
+
+
+def test_host_cpu_costs_at_zero_give_the_old_results_exactly():
+    zero = HostCpu(160e9)
+    assert not zero.costed
+    for topo in (cpu_cluster(0.5), paper_testbed()):
+        base = sim_for("vgg-mini", topo)
+        costed = Simulator(base.graph, base.grouping, topo, host_cpu=zero)
+        rng = random.Random(5)
+        plans = [BASELINES["byteps-like"](base, 16)] + [random_plan(base, 16, rng) for _ in range(5)]
+        for plan in plans:
+            a, b = base.evaluate(plan), costed.evaluate(plan)
+            assert (a.iteration_time, a.peak_memory, a.group_finish) == (
+                b.iteration_time,
+                b.peak_memory,
+                b.group_finish,
+            )
+    with pytest.raises(ValueError, match="message_s"):
+        HostCpu(160e9, message_s=-1.0)
