@@ -25,6 +25,12 @@ Every fitted constant has a meaning and a physical range (:class:`PhysicalRange`
 of :class:`Calibration`; all of them in :data:`FITTED`). The fits stay inside the ranges, and a constant
 that ends on an end of its range is a failure of the cost model, not a fit: the model lacks a cost that
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
+
+The CPU that PS communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
+comes from three measured constants, each with a meaning and a physical range too (:data:`MEASURED`), or
+0 when not measured (the default: a calibration without them predicts as before): ``message_copies``
+memory passes per byte at ``memory_bandwidth`` for each side of a message, the summation kernel's
+``sum_bandwidth`` and the ZeroMQ I/O thread's ``message_overhead_s`` per 4 MB partition.
 """
 
 from __future__ import annotations
@@ -40,12 +46,13 @@ from typing import Any
 from tagps.strategy.devices import DeviceType, device_type
 from tagps.strategy.graph import Graph
 from tagps.strategy.grouping import Grouping
-from tagps.strategy.simulator import Simulator
+from tagps.strategy.simulator import HostCpu, Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
 
 __all__ = [
     "CALIBRATION_VERSION",
     "FITTED",
+    "MEASURED",
     "Calibration",
     "CommSample",
     "ComputeSample",
@@ -107,6 +114,11 @@ def _fitted(meaning: str, low: float, high: float, unit: str = "") -> Any:
     return field(metadata={"range": PhysicalRange(meaning, low, high, unit)})
 
 
+def _measured(meaning: str, low: float, high: float, unit: str = "") -> Any:
+    """A :class:`Calibration` field for a measured constant (0: not measured), with its physical range."""
+    return field(default=0.0, metadata={"measured": PhysicalRange(meaning, low, high, unit)})
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Fitted simulator constants for one host's CPU devices and emulated links.
@@ -152,6 +164,19 @@ class Calibration:
     )
     fit_error: dict[str, float] = field(default_factory=dict)
     calibration_set: tuple[str, ...] = ()
+    # Each side of a message is at least one copy (into or out of the socket); beyond 8 passes over the
+    # bytes it is not copying.
+    message_copies: float = _measured(
+        "memory passes per byte at memory_bandwidth that each side of a PS message costs the CPU", 1.0, 8.0
+    )
+    # bench/kernels.py measures tagps.kernels.sum_into at tens of GB/s; under 1 GB/s is not the kernel.
+    sum_bandwidth: float = _measured(
+        "bytes per second that the summation kernel sums on one full core", 1e9, 200e9, "B/s"
+    )
+    # A message costs the I/O thread at least a system call; a millisecond is not per-message work.
+    message_overhead_s: float = _measured(
+        "CPU time of the ZeroMQ I/O thread per message (one partition) on one full core", 1e-6, 1e-3, "s"
+    )
     at_bound: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +192,15 @@ class Calibration:
                 raise ValueError(
                     f"calibration: {name} ({rng.meaning}) must be in its physical range {rng}, "
                     f"got {value!r}; refit with `python -m tagps.calibrate`"
+                )
+        for name, rng in MEASURED.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                value == 0 or rng.low <= value <= rng.high
+            ):
+                raise ValueError(
+                    f"calibration: {name} ({rng.meaning}) must be 0 (not measured) or in its physical range "
+                    f"{rng}, got {value!r}"
                 )
         object.__setattr__(
             self, "at_bound", tuple(n for n, r in FITTED.items() if r.on_bound(getattr(self, n)))
@@ -224,12 +258,30 @@ class Calibration:
             inter_latency_s=self.inter_latency_s,
         )
 
+    def host_cpu(self) -> HostCpu | None:
+        """The CPU that PS communication takes, from the measured constants (None: none measured)."""
+        if not (self.message_copies or self.sum_bandwidth or self.message_overhead_s):
+            return None
+        return HostCpu(
+            self.core_flops,
+            copy_s_per_byte=self.message_copies / self.memory_bandwidth,
+            sum_s_per_byte=1 / self.sum_bandwidth if self.sum_bandwidth else 0.0,
+            message_s=self.message_overhead_s,
+        )
+
     def simulator(self, graph: Graph, grouping: Grouping, topology: Topology, seed: int = 0) -> Simulator:
         """A :class:`Simulator` for ``topology`` with these constants (``seed``: the simulator's METIS seed).
 
         Plans keep naming ``topology`` (the measured one); evaluate them with :meth:`evaluate`.
         """
-        return Simulator(graph, grouping, self.apply(topology), self.device_types(topology), seed=seed)
+        return Simulator(
+            graph,
+            grouping,
+            self.apply(topology),
+            self.device_types(topology),
+            seed=seed,
+            host_cpu=self.host_cpu(),
+        )
 
     def evaluate(self, sim: Simulator, plan: Any) -> float:
         """Predicted iteration time of ``plan`` (made for the measured topology) on calibrated ``sim``."""
@@ -254,7 +306,8 @@ class Calibration:
             )
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         body = {k: v for k, v in data.items() if k not in ("version", "at_bound")}
-        unknown, missing = set(body) - names, names - set(body) - {"fit_error", "calibration_set"}
+        optional = {"fit_error", "calibration_set", *MEASURED}  # measured ones default to 0: not measured
+        unknown, missing = set(body) - names, names - set(body) - optional
         if unknown or missing:
             raise ValueError(f"calibration: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         body["calibration_set"] = tuple(body.get("calibration_set", ()))
@@ -270,6 +323,11 @@ FITTED: dict[str, PhysicalRange] = {
     f.name: f.metadata["range"] for f in dataclasses.fields(Calibration) if "range" in f.metadata
 }
 """The fitted constants of a :class:`Calibration` and their physical ranges, in field order."""
+
+MEASURED: dict[str, PhysicalRange] = {
+    f.name: f.metadata["measured"] for f in dataclasses.fields(Calibration) if "measured" in f.metadata
+}
+"""The measured host-CPU constants of a :class:`Calibration` (0: not measured) and their physical ranges."""
 
 
 def load_calibration(path: str | Path) -> Calibration:

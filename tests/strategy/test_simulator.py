@@ -14,6 +14,7 @@ from tagps.strategy.baselines import (
     proportional_shares,
     random_plan,
 )
+from tagps.strategy.calibration import MEASURED, Calibration
 from tagps.strategy.devices import device_type
 from tagps.strategy.graph import model_graph
 from tagps.strategy.grouping import group_ops
@@ -393,3 +394,27 @@ def test_host_cpu_costs_at_zero_give_the_old_results_exactly():
             )
     with pytest.raises(ValueError, match="message_s"):
         HostCpu(160e9, message_s=-1.0)
+
+
+def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_to_the_old_results():
+    cal = Calibration(160e9, 17e9, 0.5, 0.5, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
+    measured = dataclasses.replace(cal, message_copies=2.0, sum_bandwidth=37e9, message_overhead_s=10e-6)
+    assert cal.host_cpu() is None
+    assert measured.host_cpu() == HostCpu(160e9, 2 / 17e9, 1 / 37e9, 10e-6)
+    assert set(MEASURED) == {"message_copies", "sum_bandwidth", "message_overhead_s"}
+    for name, rng in MEASURED.items():
+        assert rng.meaning and 0 < rng.low < rng.high, name
+        with pytest.raises(ValueError, match=f"{name} .* must be 0 \\(not measured\\) or in its physical"):
+            dataclasses.replace(cal, **{name: rng.high * 2})
+    # A file written before these constants loads with them at 0: not measured.
+    old = {k: v for k, v in cal.to_dict().items() if k not in MEASURED}
+    assert Calibration.from_dict(old) == cal
+    base = sim_for("vgg-mini", cpu_cluster(0.25))
+    plan = BASELINES["byteps-like"](base, 16)
+    before = cal.evaluate(cal.simulator(base.graph, base.grouping, base.topology), plan)
+    after = measured.evaluate(measured.simulator(base.graph, base.grouping, base.topology), plan)
+    plain = Simulator(
+        base.graph, base.grouping, cal.apply(base.topology), cal.device_types(base.topology)
+    ).evaluate(dataclasses.replace(plan, topology=cal.apply(base.topology)))
+    assert before == plain.iteration_time
+    assert after > before
