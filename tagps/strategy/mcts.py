@@ -35,6 +35,7 @@ keeps it unless the simulator says it is faster without.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -45,6 +46,7 @@ from typing import Protocol
 import numpy as np
 
 from tagps.strategy.baselines import HOROVOD_FUSION_BYTES, dp_nccl, op_group_plan
+from tagps.strategy.layered import layered_paths
 from tagps.strategy.plan import SYNC_ALLOWED, CommSettings, GradientSync, Plan, PlanError, Prediction
 from tagps.strategy.simulator import SimResult, Simulator, ring_allreduce_time
 
@@ -380,6 +382,22 @@ class _Search:
             self.best_decided = decided
         return self.baseline_time / t - 1.0, result
 
+    def seed_layered(self, dp: _Search) -> tuple[int, ...]:
+        """Try the two-layout plans (:mod:`tagps.strategy.layered`); return the path the tree starts from:
+        the best of them when it beats ``dp``'s best data-parallel plan, else that plan's path."""
+        if dp.best is None:
+            return dp.best_decided
+
+        @functools.cache
+        def dp_time(i: int) -> float:
+            _, result = self.evaluate((i,))
+            return result.iteration_time if result is not None and result.feasible else math.inf
+
+        pairs = [(a.devices, a.option) for a in self.actions]
+        for path in layered_paths(pairs, self.order, dp_time):
+            self.evaluate(path)
+        return self.best_decided if self.best is not None and self.best[0] < dp.best[0] else dp.best_decided
+
     # ------------------------------------------------------------------ tree
     def legal(self, decided: tuple[int, ...]) -> np.ndarray:
         """Indices of the actions allowed at the level after ``decided``."""
@@ -564,9 +582,8 @@ def search(
         known = [t for t in (best, dp.time_s) if t is not None and t < math.inf]
         progress(dp.iterations + iteration, min(known) if known else None)
 
-    general = _Search(sim, batch, replace(config, seconds=seconds), model, keep_samples).run(
-        shifted if progress is not None else None, first.best_decided
-    )
+    tree = _Search(sim, batch, replace(config, seconds=seconds), model, keep_samples)
+    general = tree.run(shifted if progress is not None else None, tree.seed_layered(first))
     return _merge(dp, general)
 
 
