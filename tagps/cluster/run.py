@@ -6,7 +6,8 @@ with a quota (:mod:`tagps.cluster.cgroup`), and records it in ``/run/tagps/clust
 later commands (``tagps cluster run``) find it. :meth:`Cluster.topology` measures every link (round trip and
 TCP goodput between each pair of worker machines and inside each one) and a device's matmul rate under its
 machine's quota, and returns the matching :class:`~tagps.strategy.topology.Topology`, so that ``tagps plan``
-and ``tagps simulate`` see the cluster the jobs run on. :meth:`Cluster.job` describes a job as ``bpslaunch``
+and ``tagps simulate`` see the cluster the jobs run on (a machine with servers but no workers becomes a
+server-only device group). :meth:`Cluster.job` describes a job as ``bpslaunch``
 processes (scheduler, servers, one worker process per device) with the right ``DMLC_*`` variables, each
 started inside its machine's namespace and cgroup; :meth:`Cluster.run` supervises it like ``bpslaunch``.
 :func:`down_all` removes every namespace, link, cgroup and record the project made, also after a crash.
@@ -34,7 +35,7 @@ from tagps.cluster import netns
 from tagps.cluster.measure import LinkMeasurement, measure_pair
 from tagps.cluster.spec import ClusterSpec, MachineSpec, load_spec
 from tagps.launcher import ProcessSpec, run_processes
-from tagps.strategy.topology import DeviceGroup, Link, Topology
+from tagps.strategy.topology import SERVER_INTRA_GBPS, DeviceGroup, Link, Topology
 
 __all__ = ["STATE_DIR", "Cluster", "attach", "down", "down_all", "up"]
 
@@ -213,22 +214,27 @@ class Cluster:
         return statistics.mean(rates)
 
     def topology(self, seconds: float = 0.5) -> Topology:
-        """Measure the cluster and return its topology (one CPU device group per worker machine).
+        """Measure the cluster and return its topology (one CPU device group per machine, in spec order).
 
-        Bandwidths are TCP goodputs: between two machines (each pair), and inside a machine over loopback
-        (both ends under its quota); latencies are half the median round trip of 64-byte messages. Every
-        group's ``peak_flops`` is its devices' measured matmul rate; the simulator's efficiency constants
-        relate real ops to it (``tagps.strategy.calibration``).
+        A machine with workers is a device group of that many devices; a machine with servers only is a
+        server-only device group (count 0), where plans may put PS servers (``Plan.ps_servers``).
+        Bandwidths are TCP goodputs: between two machines (each pair but two server-only ones, which never
+        talk), and inside a worker machine over loopback (both ends under its quota); latencies are half
+        the median round trip of 64-byte messages. Every worker group's ``peak_flops`` is its devices'
+        measured matmul rate; the simulator's efficiency constants relate real ops to it
+        (``tagps.strategy.calibration``).
 
         Args:
             seconds: how long each goodput probe streams (default 0.5).
         """
-        machines = self.spec.worker_machines
-        intra: dict[str, LinkMeasurement] = {m.name: self._measure(m.name, m.name, seconds) for m in machines}
+        machines = self.spec.machines
+        workers = self.spec.worker_machines
+        intra: dict[str, LinkMeasurement] = {m.name: self._measure(m.name, m.name, seconds) for m in workers}
         inter: dict[tuple[str, str], LinkMeasurement] = {}
         for i, a in enumerate(machines):
             for b in machines[i + 1 :]:
-                inter[(a.name, b.name)] = self._measure(a.name, b.name, seconds)
+                if a.workers or b.workers:
+                    inter[(a.name, b.name)] = self._measure(a.name, b.name, seconds)
         groups = tuple(
             DeviceGroup(
                 m.name,
@@ -237,10 +243,12 @@ class Cluster:
                 round(intra[m.name].bandwidth_Bps * 8 / 1e9, 4),
                 peak_flops=round(self.device_flops(m), -6),
             )
+            if m.workers
+            else DeviceGroup(m.name, "CPU", 0, SERVER_INTRA_GBPS)
             for m in machines
         )
         links = tuple(Link(a, b, round(m.bandwidth_Bps * 8 / 1e9, 4)) for (a, b), m in inter.items())
-        slowest_intra = min(g.intra_bandwidth_gbps for g in groups)
+        slowest_intra = min(g.intra_bandwidth_gbps for g in groups if not g.server_only)
         inter_bw = min((ln.bandwidth_gbps for ln in links), default=slowest_intra)
         rtt_inter = [m.rtt_s for m in inter.values()] or [m.rtt_s for m in intra.values()]
         return Topology(

@@ -158,7 +158,7 @@ def horovod_like(sim: Simulator, batch: int, optimizer: str = "adam") -> Plan:
 
 
 def byteps_like(sim: Simulator, batch: int, optimizer: str = "adam") -> Plan:
-    """BytePS-like: even split, PS for every gradient, one CPU server per machine, overlapped."""
+    """BytePS-like: even split, PS for every gradient, one CPU server per machine (server-only ones too)."""
     return data_parallel_plan(
         sim,
         batch,
@@ -197,7 +197,7 @@ def random_plan(
         decided: when given, only the first ``decided`` op groups draw their own placement and option and
             the others copy group 0's, like the partial plans a tree search evaluates.
     """
-    names = [g.name for g in sim.dgroups]
+    names = [g.name for g in sim.dgroups if not g.server_only]  # server-only machines run no ops
     shares = even_shares(sim, batch)
     funded = [g.name for g in sim.dgroups if any(shares[d] for d in g.devices())]
     groups: list[OpGroupPlan] = []

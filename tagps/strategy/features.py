@@ -88,7 +88,7 @@ class _Static:
 
         sim, batch = ctx.sim, ctx.batch
         ngroups, ndg = len(sim.groups), len(sim.dgroups)
-        fastest = max(range(ndg), key=lambda g: (sim.dtypes[g].peak_flops, -g))
+        fastest = max(sim.topology.worker_indices, key=lambda g: (sim.dtypes[g].peak_flops, -g))
         position = {g: k for k, g in enumerate(ctx.order)}
         op = np.zeros((ngroups, OP_FEATURES), dtype=np.float32)
         for i, g in enumerate(sim.groups):
@@ -118,7 +118,8 @@ class _Static:
         times = np.zeros((ngroups, ndg, 3), dtype=np.float32)
         for i in range(ngroups):
             for k, g in enumerate(sim.dgroups):
-                for j, b in enumerate((per_cluster, max(1.0, batch / g.count), float(batch))):
+                # A server-only group (no devices) gets the full batch's time: it is never placed on.
+                for j, b in enumerate((per_cluster, max(1.0, batch / max(1, g.count)), float(batch))):
                     times[i, k, j] = _log(sum(sim.group_time(i, k, b)), 1e-3)
         self.times = times
         on = torch.tensor([[i for i in range(ngroups) for _ in range(ndg)],
@@ -184,6 +185,8 @@ def state_graph(ctx: SearchContext, decided: Sequence[Action], result: SimResult
         util = result.utilization()
         for k, g in enumerate(sim.dgroups):
             names = g.devices()
+            if not names:  # a server-only group: no devices to report on
+                continue
             dev[k, 4] = sum(util[d] for d in names) / len(names)
             dev[k, 5] = sum(result.idle[d] for d in names) / len(names) / t
             dev[k, 6] = max(result.peak_memory[d] for d in names) / g.memory_bytes

@@ -3,8 +3,10 @@
 The tree decides one op group per level, heaviest group first (forward + backward time on the fastest
 device type at the full batch). An action is ``(non-empty subset of device groups, option)`` with option
 ∈ {allreduce, ps, mp, duplicate}, every option on every subset (``ps`` puts one server on each machine of the
-subset, the gradient's partitions spread over them). A node's partial plan gives every undecided group the
-action of the first decided group, so every node below the root is a complete plan the simulator can cost.
+subset, the gradient's partitions spread over them; on a topology with server-only machines the search
+also costs the servers on those machines, alone or added: :meth:`_Search.place_servers`). A node's partial
+plan gives every undecided group the action of the first decided group, so every node below the root is a
+complete plan the simulator can cost.
 An ``mp`` group carries the split the simulator costs (:meth:`Simulator.mp_assignment`).
 
 The general search first runs the data-parallel search (same budget, same seed), seeds its own tree with
@@ -88,16 +90,18 @@ class Action:
 
 
 def _subsets(sim: Simulator) -> list[tuple[int, ...]]:
-    """Candidate device-group subsets: all of them for small topologies, a structured family otherwise."""
-    n = len(sim.dgroups)
+    """Candidate subsets of the device groups with devices (server-only machines run no ops): all of them
+    for small topologies, a structured family otherwise."""
+    workers = sim.topology.worker_indices
+    n = len(workers)
     if n <= MAX_ENUMERATED_GROUPS:
-        return [tuple(i for i in range(n) if mask >> i & 1) for mask in range(1, 1 << n)]
-    speed = [g.count * sim.dtypes[i].peak_flops for i, g in enumerate(sim.dgroups)]
-    by_speed = sorted(range(n), key=lambda i: (-speed[i], i))
-    family = {(i,) for i in range(n)}
+        return [tuple(workers[i] for i in range(n) if mask >> i & 1) for mask in range(1, 1 << n)]
+    speed = {i: sim.dgroups[i].count * sim.dtypes[i].peak_flops for i in workers}
+    by_speed = sorted(workers, key=lambda i: (-speed[i], i))
+    family = {(i,) for i in workers}
     family |= {tuple(sorted(by_speed[:k])) for k in range(2, n + 1)}
-    for dev in {g.device for g in sim.dgroups}:
-        family.add(tuple(i for i, g in enumerate(sim.dgroups) if g.device == dev))
+    for dev in {sim.dgroups[i].device for i in workers}:
+        family.add(tuple(i for i in workers if sim.dgroups[i].device == dev))
     return sorted(family, key=lambda s: (len(s), s))
 
 
@@ -259,7 +263,7 @@ def _group_order(sim: Simulator, batch: int) -> tuple[int, ...]:
     A group's weight is its forward + backward time on the fastest device type at the full batch plus
     the ring all-reduce of its parameters over every device at the topology's slowest bandwidth.
     """
-    fastest = max(range(len(sim.dgroups)), key=lambda g: (sim.dtypes[g].peak_flops, -g))
+    fastest = max(sim.topology.worker_indices, key=lambda g: (sim.dtypes[g].peak_flops, -g))
     n = sim.topology.num_devices
     slowest = min(min(row) for row in sim.bw)
     latency = sim.topology.inter_latency_s
@@ -324,7 +328,7 @@ class _Search:
         base_result = sim.evaluate(base)
         self.baseline = "dp-nccl"
         if not base_result.feasible:
-            everything = tuple(range(len(sim.dgroups)))
+            everything = sim.topology.worker_indices
             base = self.plan([Action(everything, "mp")], kind="general")
             base_result = sim.evaluate(base)
             self.baseline = "mp"
@@ -352,7 +356,7 @@ class _Search:
                 replicated.update(action.devices)
             for name in sim.groups[i].param_names:
                 gradients[name] = GradientSync(i, sync)
-        used = sorted(replicated) if replicated else list(range(len(sim.dgroups)))
+        used = sorted(replicated) if replicated else list(sim.topology.worker_indices)
         kind = kind or ("data-parallel" if self.config.data_parallel else "general")
         return Plan(
             sim.topology,
@@ -372,8 +376,7 @@ class _Search:
             plan = self.plan([self.actions[a] for a in decided])
         except PlanError:  # e.g. a batch too small to give every replicated group a device
             return -1.0, None
-        result = self.sim.evaluate(plan)
-        self.evaluations += 1
+        plan, result = self.place_servers(plan)
         if not result.feasible:
             return -1.0, result
         t = result.iteration_time
@@ -381,6 +384,30 @@ class _Search:
             self.best = (t, plan, result)
             self.best_decided = decided
         return self.baseline_time / t - 1.0, result
+
+    def place_servers(self, plan: Plan) -> tuple[Plan, SimResult]:
+        """Simulate ``plan`` under each PS server placement worth trying; return the fastest and its result.
+
+        By default each ps group's servers sit on the machines of its placement (``ps_servers`` empty).
+        When the topology has server-only machines and the plan has ps groups, two more placements are
+        costed: the server-only machines alone, and the ps groups' machines plus the server-only ones
+        (BytePS: a server on every machine). The first placement wins ties.
+        """
+        sim = self.sim
+        result = sim.evaluate(plan)
+        self.evaluations += 1
+        spare = sim.topology.server_only
+        ps_groups = [g for g in plan.groups if g.option == "ps"]
+        if not spare or not ps_groups or not result.feasible:  # servers hold no device memory
+            return plan, result
+        own = tuple(dict.fromkeys(name for g in ps_groups for name in g.placement))
+        for servers in (spare, own + spare):
+            other = replace(plan, ps_servers=servers)
+            other_result = sim.evaluate(other)
+            self.evaluations += 1
+            if other_result.iteration_time < result.iteration_time:
+                plan, result = other, other_result
+        return plan, result
 
     def seed_layered(self, dp: _Search) -> tuple[int, ...]:
         """Try the two-layout plans (:mod:`tagps.strategy.layered`); return the path the tree starts from:

@@ -7,12 +7,16 @@ A topology file (YAML or JSON) looks like::
     groups:
       - {name: m0, device: V100-32GB, count: 4, intra_bandwidth_gbps: 1200}
       - {name: m1, device: 1080Ti, count: 2, intra_bandwidth_gbps: 96}
+      - {name: cpu0, count: 0}       # a server-only machine: summation servers, no training devices
     links:                           # optional per-pair overrides
       - {a: m0, b: m1, bandwidth_gbps: 40}
 
 Every device group is a set of identical devices with equal bandwidth between each pair. ``memory_bytes``
 and ``peak_flops`` of a device group default to its device type's (``tagps.strategy.devices``). Bandwidths
-are in Gbit/s in the file and in bytes/s through :meth:`Topology.bandwidth`. A device group is not an op
+are in Gbit/s in the file and in bytes/s through :meth:`Topology.bandwidth`. A device group with
+``count: 0`` is a server-only machine (BytePS's spare CPU machines): it only hosts PS summation servers
+(``Plan.ps_servers``), never ops; its ``device`` defaults to ``CPU`` and its ``intra_bandwidth_gbps`` (unused:
+no two devices of it talk) to :data:`SERVER_INTRA_GBPS`. A device group is not an op
 group (a set of ops, :mod:`tagps.strategy.grouping`) nor a local reduction group (the devices under one
 PCIe switch, which the runtime reduces among first); docs/plan.md has the glossary.
 """
@@ -30,6 +34,7 @@ from tagps.strategy.devices import DeviceType, device_type
 
 __all__ = [
     "PRESETS",
+    "SERVER_INTRA_GBPS",
     "DeviceGroup",
     "Link",
     "Topology",
@@ -38,6 +43,9 @@ __all__ = [
     "paper_testbed",
     "random_topology",
 ]
+
+
+SERVER_INTRA_GBPS = 100.0  # intra bandwidth a server-only device group gets when its file gives none
 
 
 def _positive(value: Any, what: str) -> float:
@@ -53,7 +61,7 @@ class DeviceGroup:
     Args:
         name: unique device group name.
         device: device-type name from the table (``"1080Ti"``).
-        count: number of devices (>= 1).
+        count: number of devices (>= 0; 0: a server-only machine, which hosts PS servers and runs no ops).
         intra_bandwidth_gbps: bandwidth between two devices of the device group in Gbit/s.
         memory_bytes: per-device memory; defaults to the device type's.
         peak_flops: per-device peak FP32 FLOP/s; defaults to the device type's.
@@ -70,8 +78,11 @@ class DeviceGroup:
         if not isinstance(self.name, str) or not self.name or ":" in self.name:
             raise ValueError(f"device group name must be a non-empty string without ':', got {self.name!r}")
         dtype = device_type(self.device)
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"device group {self.name!r}: count must be an integer >= 1, got {self.count!r}")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
+            raise ValueError(
+                f"device group {self.name!r}: count must be an integer >= 0 (0: a server-only machine), "
+                f"got {self.count!r}"
+            )
         _positive(self.intra_bandwidth_gbps, f"device group {self.name!r}: intra_bandwidth_gbps")
         if not self.memory_bytes:
             object.__setattr__(self, "memory_bytes", dtype.memory_bytes)
@@ -81,6 +92,11 @@ class DeviceGroup:
         if isinstance(mem, bool) or not isinstance(mem, int) or mem < 1:
             raise ValueError(f"device group {self.name!r}: memory_bytes must be a positive integer")
         _positive(self.peak_flops, f"device group {self.name!r}: peak_flops")
+
+    @property
+    def server_only(self) -> bool:
+        """Whether this is a server-only machine: it hosts PS summation servers and has no devices."""
+        return self.count == 0
 
     @property
     def device_type(self) -> DeviceType:
@@ -140,6 +156,11 @@ class Topology:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"topology {self.name!r}: duplicate device group names {dup}")
+        if all(g.server_only for g in self.groups):
+            raise ValueError(
+                f"topology {self.name!r}: every device group is server-only (count 0); "
+                "at least one needs devices to train on"
+            )
         _positive(self.inter_bandwidth_gbps, f"topology {self.name!r}: inter_bandwidth_gbps")
         for lat in ("intra_latency_s", "inter_latency_s"):
             value = getattr(self, lat)
@@ -179,6 +200,16 @@ class Topology:
     def devices(self) -> list[str]:
         """All device names, ``"<device group>:<index>"``, in device group order."""
         return [d for g in self.groups for d in g.devices()]
+
+    @property
+    def server_only(self) -> tuple[str, ...]:
+        """Names of the server-only device groups (count 0), in order."""
+        return tuple(g.name for g in self.groups if g.server_only)
+
+    @property
+    def worker_indices(self) -> tuple[int, ...]:
+        """Indices (into ``groups``) of the device groups with devices: those that can run ops."""
+        return tuple(i for i, g in enumerate(self.groups) if not g.server_only)
 
     @property
     def num_devices(self) -> int:
@@ -229,7 +260,11 @@ class Topology:
         for i, g in enumerate(groups_raw):
             if not isinstance(g, Mapping):
                 raise ValueError(f"topology {name!r}: groups[{i}] must be a mapping")
-            missing = {"name", "device", "count", "intra_bandwidth_gbps"} - set(g)
+            # A server-only machine (count 0) may leave out what only devices need.
+            required = {"name", "count"}
+            if g.get("count") != 0:
+                required |= {"device", "intra_bandwidth_gbps"}
+            missing = required - set(g)
             extra = set(g) - {"name", "device", "count", "intra_bandwidth_gbps", "memory_bytes", "peak_flops"}
             if missing or extra:
                 raise ValueError(
@@ -238,9 +273,9 @@ class Topology:
             groups.append(
                 DeviceGroup(
                     g["name"],
-                    g["device"],
+                    g.get("device", "CPU"),
                     g["count"],
-                    g["intra_bandwidth_gbps"],
+                    g.get("intra_bandwidth_gbps", SERVER_INTRA_GBPS),
                     g.get("memory_bytes", 0),
                     g.get("peak_flops", 0.0),
                 )

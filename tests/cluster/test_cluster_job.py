@@ -132,6 +132,24 @@ def test_job_layout_uneven_machines_make_one_worker_per_device() -> None:
         _offline_cluster(spec).job([])
 
 
+def test_a_server_only_machine_runs_servers_and_no_worker() -> None:
+    from tagps.cluster.experiment import plan_servers
+    from tagps.strategy.baselines import data_parallel_plan, even_shares
+    from tagps.strategy.simulator import Simulator
+    from tagps.strategy.topology import DeviceGroup, Topology
+
+    spec = ClusterSpec("s", (MachineSpec("a", 1), MachineSpec("b", 1), MachineSpec("s", 0, 1)))
+    assert spec.devices() == ["a:0", "b:0"] and spec.num_servers == 1
+    # The topology the cluster measures has "s" as a server-only device group; a plan may name it.
+    groups = tuple(DeviceGroup(name, "CPU", count, 16.0) for name, count in (("a", 1), ("b", 1), ("s", 0)))
+    sim = Simulator.for_model("transformer-mini", Topology("s", groups, 1.0), groups=4)
+    plan = data_parallel_plan(sim, 8, even_shares(sim, 8), option="ps", ps_servers=("s",))
+    assert plan_servers(plan) == {"s": 1}
+    specs = _offline_cluster(spec).job(["train"], servers=plan_servers(plan))
+    assert [s.label for s in specs] == ["scheduler@a", "server s.0", "worker a:0", "worker b:0"]
+    assert "tagps-9-s" in specs[1].argv and specs[1].env["DMLC_ROLE"] == "server"
+
+
 def test_without_root_every_command_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     from tagps.cluster import netns
 
@@ -284,5 +302,54 @@ def test_tagps_plan_and_a_general_plan_train_under_cluster_run(tmp_path: Path) -
             assert result["devices"] == load(plan_path).worker_devices()
             assert len(result["losses"]) == 3 and all(x == x and x > 0 for x in result["losses"])
         assert json.loads((tmp_path / "general-result.json").read_text())["kind"] == "general"
+    finally:
+        cluster.down()
+
+
+SERVER_SPEC = {
+    "name": "t-spare",
+    "machines": [
+        {"name": "a", "workers": 1, "cpu": 0.6, "rate_mbit": 200},
+        {"name": "b", "workers": 1, "cpu": 0.6, "rate_mbit": 200},
+        {"name": "s", "workers": 0, "servers": 1, "cpu": 0.4, "rate_mbit": 200},
+    ],
+}
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("root_cluster")
+def test_a_plan_with_servers_on_a_server_only_machine_trains_under_cluster_run(tmp_path: Path) -> None:
+    """The measured topology records the server-only machine; a ps plan served from it trains."""
+    from tagps.strategy.baselines import data_parallel_plan, even_shares
+    from tagps.strategy.plan import load
+    from tagps.strategy.simulator import Simulator
+
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(SERVER_SPEC))
+    cluster = up(SERVER_SPEC)
+    try:
+        topology = cluster.topology(seconds=0.3)
+        assert [(g.name, g.count) for g in topology.groups] == [("a", 1), ("b", 1), ("s", 0)]
+        assert topology.server_only == ("s",)
+        assert 0.1 <= topology.bandwidth("a", "s") * 8 / 1e9 <= 0.22  # the measured 200 Mbit/s link
+        sim = Simulator.for_model("transformer-mini", topology, groups=4)
+        plan = data_parallel_plan(sim, 8, even_shares(sim, 8), option="ps", ps_servers=("s",))
+        plan_path = tmp_path / "plan.json"
+        plan.save(plan_path)
+        out = tmp_path / "result.json"
+        worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", "transformer-mini",
+                  "--plan", str(plan_path), "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+        log = tmp_path / "job.log"
+        with log.open("wb") as sink:
+            proc = subprocess.run(
+                [sys.executable, "-m", "tagps.cli", "cluster", "run", str(spec_path),
+                 "--plan", str(plan_path), "--", *worker],
+                stdout=sink, stderr=subprocess.STDOUT, timeout=240, check=False,
+            )  # fmt: skip
+        assert proc.returncode == 0, log.read_text()[-3000:]
+        result = json.loads(out.read_text())
+        assert result["devices"] == load(plan_path).worker_devices() == ["a:0", "b:0"]
+        assert len(result["losses"]) == 3 and all(x == x and x > 0 for x in result["losses"])
     finally:
         cluster.down()

@@ -161,3 +161,21 @@ def test_the_general_search_is_never_slower_than_the_data_parallel_search(model:
     assert sim.evaluate(general.plan).iteration_time == pytest.approx(general.time_s)
     for i, g in enumerate(general.plan.groups):
         assert g.option != "mp" or g.mp_parts == sim.mp_assignment(i, g.placement)
+
+
+def test_the_search_puts_ps_servers_on_server_only_machines() -> None:
+    """Three one-device workers behind 10 Gbit/s and two spare CPU machines: BytePS's case."""
+    workers = tuple(DeviceGroup(f"w{i}", "1080Ti", 1, 96.0) for i in range(3))
+    spare = (DeviceGroup("cpu0", "CPU", 0, 100.0), DeviceGroup("cpu1", "CPU", 0, 100.0))
+    topology = Topology("spare-servers", workers[:2] + spare[:1] + workers[2:] + spare[1:], 10.0)
+    graph = _graph(2048, 4)
+    sim = Simulator(graph, group_ops(graph, 4), topology)
+    assert all(2 not in a.devices and 4 not in a.devices for a in candidate_actions(sim))
+    result = search(sim, 8192, SearchConfig(iterations=60, sfb=False))
+    plan = result.plan
+    assert plan is not None and any(g.option == "ps" for g in plan.groups)
+    assert set(plan.ps_servers) >= {"cpu0", "cpu1"}
+    assert not any(plan.batch_shares.get(d, 0) for d in ("cpu0:0", "cpu1:0"))
+    # The servers on the spare machines are what makes the plan fast: on the workers alone it is slower.
+    alone = sim.evaluate(replace(plan, ps_servers=()))
+    assert alone.iteration_time > 1.1 * result.time_s

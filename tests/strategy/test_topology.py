@@ -172,3 +172,42 @@ def test_device_table_and_roofline():
         calibrated(v100, peak_flops=1.0)
     with pytest.raises(ValueError, match="unknown device type"):
         device_type("K80")
+
+
+def test_server_only_machines_load_and_round_trip(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "name: spare\ninter_bandwidth_gbps: 1\ngroups:\n"
+        "  - {name: w, device: T4, count: 2, intra_bandwidth_gbps: 96}\n"
+        "  - {name: cpu0, count: 0}\n"
+        "links:\n  - {a: w, b: cpu0, bandwidth_gbps: 10}\n"
+    )
+    t = load_topology(path)
+    spare = t.group("cpu0")
+    assert spare.server_only and not t.group("w").server_only
+    assert spare.device == "CPU" and spare.devices() == []
+    assert t.server_only == ("cpu0",) and t.worker_indices == (0,)
+    assert t.devices() == ["w:0", "w:1"] and t.num_devices == 2
+    assert t.bandwidth("w", "cpu0") == 10e9 / 8
+    assert Topology.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+
+
+@pytest.mark.parametrize(
+    ("groups", "match"),
+    [
+        ([{"name": "s", "count": 0}], "every device group is server-only"),
+        ([{"name": "a", "device": "T4", "count": -1, "intra_bandwidth_gbps": 1}], "integer >= 0"),
+        # Only a server-only machine may leave out the device fields.
+        ([{"name": "a", "count": 1}], r"missing \['device', 'intra_bandwidth_gbps'\]"),
+        (
+            [
+                {"name": "a", "device": "T4", "count": 1, "intra_bandwidth_gbps": 1},
+                {"name": "s", "count": 0, "role": "server"},
+            ],
+            r"unknown \['role'\]",
+        ),
+    ],
+)
+def test_invalid_server_only_machines_name_the_problem(groups, match):
+    with pytest.raises(ValueError, match=match):
+        Topology.from_dict({"name": "x", "inter_bandwidth_gbps": 1, "groups": groups})
