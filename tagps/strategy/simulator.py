@@ -200,6 +200,10 @@ class SimResult:
         Path(path).write_text(json.dumps(self.chrome_trace()))
 
 
+# A task's label: (category, op group or -1, device group / server / source op group or -1).
+_Label = tuple[str, int, int]
+
+
 class _Schedule:
     """Tasks (durations, resources, successors; plain lists for speed) and the list scheduler."""
 
@@ -210,10 +214,10 @@ class _Schedule:
         res: list[tuple[int, ...]] = []
         succ: list[list[int]] = []
         npred: list[int] = []
-        names: list[tuple[str, int, int]] = []
+        names: list[_Label] = []
         self.dur, self.res, self.succ, self.npred, self.names = dur, res, succ, npred, names
 
-        def add(d: float, r: tuple[int, ...], deps: Sequence[int], name: tuple[str, int, int]) -> int:
+        def add(d: float, r: tuple[int, ...], deps: Sequence[int], name: _Label) -> int:
             """Add a task of ``d`` seconds on resources ``r`` after ``deps``; return its id."""
             t = len(dur)
             dur.append(d)
@@ -327,9 +331,6 @@ class _Broadcast(NamedTuple):
 
 
 _Input = _Direct | _Local | _Transfer | _Broadcast
-
-# A task's label: (category, op group or -1, device group / server / source op group or -1).
-_Label = tuple[str, int, int]
 
 
 class _FusionBucket:
