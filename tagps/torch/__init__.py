@@ -212,9 +212,7 @@ def _start(
     inplace: bool,
 ) -> Handle:
     spec = reduce_spec(None, Average if average else Sum, 1.0, 1.0, global_process_set, compression, priority)
-    handle = start_allreduce(
-        tensor, spec, name if name is not None else f"push_pull.noname.{next(ops.state().names)}", inplace
-    )
+    handle = start_allreduce(tensor, spec, name, inplace)
     ops.state().handles.add(handle)
     return handle
 
@@ -231,7 +229,7 @@ def push_pull_async(
     Args:
         tensor: the local value; left unchanged.
         average: divide the sum by :func:`size` (default ``True``; integers are truncated toward zero).
-        name: key of the tensor (the same on every worker; default: by call order).
+        name: key of the tensor (the same on every worker; default: a reused key, see docs/torch.md).
         priority: PS scheduling priority, higher first (default 0).
         compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
 

@@ -126,9 +126,39 @@ def _check_tensors(tensors: object, what: str) -> list[torch.Tensor]:
     return [_check_tensor(t, what) for t in tensors]
 
 
-def _name(name: str | None, kind: str) -> str:
-    """The key of an operation: the user's name, or one numbered in call order (the same on every rank)."""
-    return name if name is not None else f"{kind}.noname.{next(ops.state().names)}"
+class _UnnamedKeys:
+    """The keys of unnamed sums: ``noname.<dtype>.<count>.<compression>.<slot>``, reused.
+
+    An unnamed sum takes the lowest slot of its (wire dtype, element count, compression) that no unnamed sum
+    in flight holds, and gives it back when its handle is waited for. Both happen in program order, so every
+    rank that makes the same calls derives the same keys (as Horovod's and BytePS's call-order names do),
+    and a loop of unnamed calls reuses a few keys: the summation servers' key table and the shared-memory
+    arenas grow with the shapes in flight at once, not with the number of calls.
+    """
+
+    def __init__(self, owner: ops.State) -> None:
+        self.owner = owner  # keys restart with each init()
+        self._busy: dict[tuple[str, int, str], set[int]] = {}
+
+    def take(self, tensor: torch.Tensor, compression: type[Compressor]) -> tuple[str, Callable[[], None]]:
+        """Return a free key for ``tensor`` and the function that gives it back."""
+        kind = (str(tensor.dtype).removeprefix("torch."), tensor.numel(), compression.__name__)
+        busy = self._busy.setdefault(kind, set())
+        slot = min(set(range(len(busy) + 1)) - busy)
+        busy.add(slot)
+        return f"noname.{kind[0]}.{kind[1]}.{kind[2]}.{slot}", lambda: busy.discard(slot)
+
+
+_unnamed: _UnnamedKeys | None = None
+
+
+def _unnamed_keys() -> _UnnamedKeys:
+    """Return the unnamed-key slots of the current :func:`tagps.torch.init`."""
+    global _unnamed
+    st = ops.state()
+    if _unnamed is None or _unnamed.owner is not st:
+        _unnamed = _UnnamedKeys(st)
+    return _unnamed
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,8 +230,10 @@ def _set_size(process_set: ProcessSet) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- starts
-def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str, inplace: bool) -> Handle:
+def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str | None, inplace: bool) -> Handle:
     """Start one allreduce of ``tensor`` (into itself when ``inplace``, else into a new tensor).
+
+    ``name`` is the key on the summation servers; ``None`` takes a reused one (see :class:`_UnnamedKeys`).
 
     Returns:
         A handle whose ``wait()`` returns the result,
@@ -225,11 +257,20 @@ def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str, inplace: boo
     _scale_(out, spec.prescale)
     work = _wire(out)
     inner: Any
+    release: Callable[[], None] | None = None
     if spec.op in (Sum, Average) and group is None:
         method = "ps" if on_servers else "allreduce"
-        inner = ops.start_sum(
-            work, method=method, name=name, priority=spec.priority, compression=spec.compression
-        )
+        key = name
+        if key is None:
+            key, release = _unnamed_keys().take(work, spec.compression)
+        try:
+            inner = ops.start_sum(
+                work, method=method, name=key, priority=spec.priority, compression=spec.compression
+            )
+        except BaseException:
+            if release is not None:
+                release()
+            raise
     else:
         wire, ctx = spec.compression.compress(work)
         inner = collectives.all_reduce_async(wire, group, _DIST_OPS[spec.op])
@@ -239,20 +280,26 @@ def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str, inplace: boo
 
     def finish() -> torch.Tensor:
         inner.wait()
+        if release is not None:  # only after a completed round: a failed one may leave its key mid-round
+            release()
         if work is not out:
             out.copy_(work)
         _scale_(out, post)
         return tensor if inplace else out  # the caller's object, as Horovod returns it
 
-    return timeline.traced(Handle([inner], finish, keep=(tensor,)), "ALLREDUCE", name)
+    return timeline.traced(Handle([inner], finish, keep=(tensor,)), "ALLREDUCE", name or "allreduce")
 
 
 def _start_grouped_allreduce(
     tensors: Sequence[torch.Tensor], spec: _Reduce, name: str | None, inplace: bool
 ) -> Handle:
-    base = _name(name, "allreduce")
-    # One tensor (allreduce() goes through here too) keeps the name as given.
-    names = [base] if len(tensors) == 1 else [f"{base}.{i}" for i in range(len(tensors))]
+    names: list[str | None]
+    if name is None:
+        names = [None] * len(tensors)  # each takes a reused key
+    elif len(tensors) == 1:  # allreduce() goes through here too and keeps the name as given
+        names = [name]
+    else:
+        names = [f"{name}.{i}" for i in range(len(tensors))]
     return _group([start_allreduce(t, spec, n, inplace) for t, n in zip(tensors, names, strict=True)])
 
 
@@ -327,7 +374,7 @@ def _start_alltoall(
     return timeline.traced(handle, "ALLTOALL", "alltoall")
 
 
-def _start_reducescatter(tensor: torch.Tensor, spec: _Reduce, name: str) -> Handle:
+def _start_reducescatter(tensor: torch.Tensor, spec: _Reduce, name: str | None) -> Handle:
     """Reduce over the set, keep this rank's rows (the first ``rows % size`` ranks get one more).
 
     It all-reduces the whole tensor and slices: twice a reduce-scatter's traffic, but the same scaling,
@@ -348,8 +395,8 @@ def _start_reducescatter(tensor: torch.Tensor, spec: _Reduce, name: str) -> Hand
 
 
 def _start_grouped_reducescatter(tensors: Sequence[torch.Tensor], spec: _Reduce, name: str | None) -> Handle:
-    base = _name(name, "grouped_reducescatter")
-    return _group([_start_reducescatter(t, spec, f"{base}.{i}") for i, t in enumerate(tensors)])
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    return _group([_start_reducescatter(t, spec, n) for t, n in zip(tensors, names, strict=True)])
 
 
 # ---------------------------------------------------------------------------------------------- autograd
@@ -465,7 +512,7 @@ def allreduce_async(
     Args:
         tensor: the local value (unchanged); same dtype and shape on every rank.
         average: deprecated (Horovod): ``True`` for ``Average``, ``False`` for ``Sum``.
-        name: the operation's key (the same on every rank; default: by call order).
+        name: the operation's key (the same on every rank; default: a reused key, see docs/torch.md).
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiplies each rank's tensor before the reduction.
         postscale_factor: multiplies the result (an ``Average`` also divides it by the set's size).
@@ -475,7 +522,7 @@ def allreduce_async(
         The handle; ``synchronize(handle)`` returns the result.
     """
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return _register(name, lambda: start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=False))
+    return _register(name, lambda: start_allreduce(tensor, spec, name, inplace=False))
 
 
 def allreduce_async_(
@@ -489,7 +536,7 @@ def allreduce_async_(
 ) -> Handle:
     """Like :func:`allreduce_async`, writing the result into ``tensor`` (contiguous)."""
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return _register(name, lambda: start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=True))
+    return _register(name, lambda: start_allreduce(tensor, spec, name, inplace=True))
 
 
 def allreduce(
@@ -526,7 +573,7 @@ def allreduce_(
 ) -> torch.Tensor:
     """Reduce ``tensor`` over the set in place and return it (see :func:`allreduce_async`)."""
     spec = reduce_spec(average, op, prescale_factor, postscale_factor, process_set)
-    return wait(start_allreduce(tensor, spec, _name(name, "allreduce"), inplace=True))  # type: ignore[no-any-return]
+    return wait(start_allreduce(tensor, spec, name, inplace=True))  # type: ignore[no-any-return]
 
 
 def grouped_allreduce_async(
@@ -723,14 +770,14 @@ def reducescatter_async(
     Args:
         tensor: at least 1-D, same dtype and shape on every rank; rows are split in rank order, the first
             ``rows % size`` ranks getting one more.
-        name: the operation's key (default: by call order).
+        name: the operation's key (default: a reused key, see docs/torch.md).
         op: ``Average`` (default) or ``Sum``.
         process_set: the ranks that take part.
         prescale_factor: multiplies each rank's tensor before the reduction.
         postscale_factor: multiplies the result.
     """
     spec = reduce_spec(None, op, prescale_factor, postscale_factor, process_set)
-    return _register(name, lambda: _start_reducescatter(tensor, spec, _name(name, "reducescatter")))
+    return _register(name, lambda: _start_reducescatter(tensor, spec, name))
 
 
 def reducescatter(

@@ -6,44 +6,17 @@ with distinct values per rank and round, and must be exact.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from comm_jobs import run_job
 
 from tagps.comm.ps_service import PSSubset
 from tagps.config import CommConfig
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ps_subset_worker.py")
-
-
-def _run(
-    tmp: Path, case: dict[str, Any], *, workers: int, servers: int, local_size: int
-) -> list[dict[str, Any]]:
-    """Run ``case`` on ``workers`` machines of ``local_size`` processes; return each rank's result."""
-    (tmp / "case.json").write_text(json.dumps(case))
-    cmd = [
-        sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", str(servers),
-        "--local-size", str(local_size), "--grace", "2", "--",
-        sys.executable, str(WORKER), "--case", str(tmp / "case.json"), "--out", str(tmp),
-    ]  # fmt: skip
-    env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60", "BYTEPS_PARTITION_BYTES": "4096"}
-    try:
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"job timed out:\n{exc.stdout}\n{exc.stderr}") from None
-    assert proc.returncode == 0, (
-        f"job failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    )
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(workers * local_size)]
 
 
 def _check_sums(results: list[dict[str, Any]], sums: dict[str, set[int]]) -> None:
@@ -60,7 +33,7 @@ def _check_sums(results: list[dict[str, Any]], sums: dict[str, set[int]]) -> Non
 @pytest.mark.parametrize("servers", [1, 2])
 def test_subset_of_three_machines_next_to_a_sum_over_all(tmp_path: Path, servers: int) -> None:
     # {0, 2} crosses machines through the servers while rank 1 sums only "all"; {1} is one machine's.
-    results = _run(tmp_path, {"subsets": [[2, 0], [1]]}, workers=3, servers=servers, local_size=1)
+    results = run_job(WORKER, tmp_path, {"subsets": [[2, 0], [1]]}, workers=3, servers=servers, local_size=1)
     _check_sums(results, {"s0": {0, 2}, "s1": {1}, "all": {0, 1, 2}})
 
 
@@ -70,7 +43,7 @@ def test_subset_of_two_machines_with_two_local_ranks(tmp_path: Path) -> None:
     # {2, 3} lies inside machine 1 and {1} inside machine 0 (no server; {1} without its local rank 0).
     # [0, 3] leaves out machine 1's local rank 0: every rank refuses it before anything collective.
     case = {"subsets": [[0, 1, 2], [2, 3], [1]], "refused": [[0, 3], [0, 1, 3]]}
-    results = _run(tmp_path, case, workers=2, servers=1, local_size=2)
+    results = run_job(WORKER, tmp_path, case, workers=2, servers=1, local_size=2)
     _check_sums(results, {"s0": {0, 1, 2}, "s1": {2, 3}, "s2": {1}, "all": {0, 1, 2, 3}})
     for result in results:
         first, second = result["refused"]

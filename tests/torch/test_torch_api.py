@@ -427,3 +427,28 @@ def test_byteps_declare_suspend_resume(world_of_one: None) -> None:
     assert bps.is_initialized() and torch.equal(bps.push_pull(torch.ones(2)), torch.ones(2))
     with pytest.raises(NotImplementedError, match="elastic scaling is not implemented"):
         bps.resume(2, 0)
+
+
+def test_unnamed_sums_reuse_a_bounded_set_of_keys(world_of_one: None, started_sums: list[str]) -> None:
+    x = torch.ones(3)
+    for _ in range(500):
+        bps.push_pull(x)
+        bps.allreduce(x, op=bps.Sum)
+        bps.synchronize(bps.allreduce_async_(x, op=bps.Sum))
+    assert set(started_sums) == {"noname.float32.3.NoneCompressor.0"}  # not one key per call
+    started_sums.clear()
+    handles = [bps.push_pull_async(x) for _ in range(3)]  # in flight together: distinct keys
+    bps.push_pull(x.double())
+    bps.push_pull(x, compression=bps.Compression.fp16)  # what travels differs: another key
+    for handle in handles:
+        bps.synchronize(handle)
+    bps.grouped_allreduce([x, x])
+    assert started_sums == [
+        "noname.float32.3.NoneCompressor.0",
+        "noname.float32.3.NoneCompressor.1",
+        "noname.float32.3.NoneCompressor.2",
+        "noname.float64.3.NoneCompressor.0",
+        "noname.float32.3.FP16Compressor.0",
+        "noname.float32.3.NoneCompressor.0",
+        "noname.float32.3.NoneCompressor.1",
+    ]
