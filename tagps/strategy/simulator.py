@@ -761,9 +761,10 @@ class Simulator:
         # Resources: compute stream g, NIC g (n + g), bus g (2n + g).
         self.nres = 3 * n
         self.host_cpu = host_cpu if host_cpu is not None and host_cpu.costed else None
-        # Cores of each machine's quota that one communication thread can use (0: not a costed CPU machine).
+        # Cores of each machine's quota that one communication thread can use (0: not a costed CPU machine);
+        # a server-only machine (no devices) gives its server one device's share.
         self._cpu_cores = [
-            min(1.0, g.count * t.peak_flops / host_cpu.core_flops)
+            min(1.0, max(g.count, 1) * t.peak_flops / host_cpu.core_flops)
             if host_cpu is not None and t.name == "CPU"
             else 0.0
             for g, t in zip(self.dgroups, self.dtypes, strict=True)

@@ -418,3 +418,14 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
     ).evaluate(dataclasses.replace(plan, topology=cal.apply(base.topology)))
     assert before == plain.iteration_time
     assert after > before
+
+
+def test_a_server_only_machine_bounds_ps_by_its_servers_cpu():
+    groups = (*cpu_cluster(1.0).groups, DeviceGroup("srv", "CPU", 0, 40.0, peak_flops=160e9 * 0.05))
+    topo = Topology("quota+server", groups, 1.0)
+    base = sim_for("vgg-mini", topo)
+    costed = Simulator(base.graph, base.grouping, topo, host_cpu=HOST)
+    plan = dataclasses.replace(BASELINES["byteps-like"](base, 16), ps_servers=("srv",)).validate()
+    result = costed.evaluate(plan, trace=True)
+    assert result.iteration_time > base.evaluate(plan).iteration_time
+    assert "srv/compute" in {t.resource for t in result.tasks if t.category == "ps-cpu"}
