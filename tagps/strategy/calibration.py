@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tagps.atomic import write_text_atomic
 from tagps.strategy.devices import DeviceType, device_type
 from tagps.strategy.graph import Graph
 from tagps.strategy.grouping import Grouping
@@ -315,8 +316,8 @@ class Calibration:
         return cls(**body)
 
     def save(self, path: str | Path) -> None:
-        """Write the JSON form to ``path``."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write the JSON form to ``path`` (atomically: a reader sees the old file or the new one)."""
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 FITTED: dict[str, PhysicalRange] = {

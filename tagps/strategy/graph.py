@@ -24,6 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tagps.atomic import write_text_atomic
+
 if TYPE_CHECKING:
     from tagps.strategy.devices import DeviceType
 
@@ -319,15 +321,6 @@ def _cache_dir() -> Path:
     from tagps.config import strategy_config
 
     return Path(strategy_config().cache_dir)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``path.partial`` and a rename, so no reader sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 def check_device(device: str) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tagps.atomic import write_text_atomic
 from tagps.strategy.topology import Topology
 
 __all__ = [
@@ -324,8 +325,8 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> None:
-        """Write the plan to ``path`` as JSON."""
-        Path(path).write_text(self.to_json() + "\n")
+        """Write the plan to ``path`` as JSON (atomically: a reader sees the old plan or the new one)."""
+        write_text_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:

@@ -22,15 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tagps.atomic import write_text_atomic
 from tagps.strategy import devices
-from tagps.strategy.graph import (
-    Graph,
-    check_device,
-    device_name,
-    model_graph,
-    profile_graph,
-    write_text_atomic,
-)
+from tagps.strategy.graph import Graph, check_device, device_name, model_graph, profile_graph
 
 __all__ = [
     "PROFILE_FORMAT",
