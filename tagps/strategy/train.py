@@ -31,11 +31,11 @@ from tagps.models import MODELS, default_batch_size
 from tagps.strategy.gnn import DEFAULT_WEIGHTS, GNNConfig, GNNPrior, TagGNN
 from tagps.strategy.graph import model_graph
 from tagps.strategy.grouping import Grouping, group_ops
-from tagps.strategy.mcts import NodeSample, SearchConfig, SearchContext, search
+from tagps.strategy.mcts import NodeSample, PriorModel, SearchConfig, SearchContext, search
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import PRESETS, Topology, random_topology
 
-__all__ = ["TrainConfig", "main", "train"]
+__all__ = ["NearBest", "TrainConfig", "iters_to_near_best", "main", "near_best_means", "train"]
 
 REFERENCE_MODELS = ("vgg19", "resnet101", "inceptionv3", "transformer", "bert-large", "gpt2")
 
@@ -123,7 +123,11 @@ def train(config: TrainConfig, log: bool = True) -> tuple[GNNPrior, dict[str, fl
             result = search(
                 sim,
                 default_batch_size(model),
-                SearchConfig(iterations=config.iterations, seed=rng.randrange(1 << 30), sfb=False),
+                # The tree alone: its visit counts are the targets, and a first data-parallel phase
+                # would spend half the episode outside the tree.
+                SearchConfig(
+                    iterations=config.iterations, seed=rng.randrange(1 << 30), sfb=False, dp_first=False
+                ),
                 model=prior if round_ else None,
                 keep_samples=True,
             )
@@ -158,6 +162,84 @@ def train(config: TrainConfig, log: bool = True) -> tuple[GNNPrior, dict[str, fl
         "seconds": round(time.perf_counter() - start, 1),
     }
     return prior, figures
+
+
+def _tree_only(iterations: int, seed: int) -> SearchConfig:
+    """A search of the general tree alone (no data-parallel phase), without SFB."""
+    return SearchConfig(iterations=iterations, seed=seed, sfb=False, dp_first=False)
+
+
+@dataclass(frozen=True)
+class NearBest:
+    """Outcome of :func:`iters_to_near_best` on one topology.
+
+    Args:
+        topology: the topology's name.
+        best_known_s: the best iteration time any of the searches found.
+        iters: per prior name, the first iteration whose best plan was within the tolerance of
+            ``best_known_s`` (None: not within the cap).
+    """
+
+    topology: str
+    best_known_s: float
+    iters: dict[str, int | None]
+
+
+def iters_to_near_best(
+    priors: dict[str, PriorModel | None],
+    model: str,
+    topologies: Sequence[Topology],
+    cap: int,
+    groups: int = 24,
+    long_factor: int = 20,
+    tolerance: float = 0.02,
+) -> list[NearBest]:
+    """The study of a prior's worth: MCTS iterations until a plan within ``tolerance`` of the best known.
+
+    On each topology, the best known plan is the best of a uniform search of ``long_factor * cap``
+    iterations and of every prior's search; each prior's search (``cap`` iterations, the general tree alone:
+    ``dp_first=False``, seeded by the topology's position) counts the iterations until its best plan is within
+    ``1 + tolerance`` of it. A topology where nothing fits in memory is skipped.
+
+    Args:
+        priors: the priors to compare by name (None: uniform).
+        model: reference model searched on every topology.
+        topologies: the (held-out) topologies.
+        cap: iterations of each prior's search.
+        groups: op groups of the model.
+        long_factor: the long uniform search runs ``long_factor * cap`` iterations.
+        tolerance: relative distance to the best known time that counts as reached.
+    """
+    graph = model_graph(model)
+    grouping = group_ops(graph, groups, 0)
+    batch = default_batch_size(model)
+    out = []
+    for k, topology in enumerate(topologies):
+        sim = Simulator(graph, grouping, topology)
+        histories = {name: search(sim, batch, _tree_only(cap, k), p).history for name, p in priors.items()}
+        # Another seed than the uniform prior's own search.
+        long = search(sim, batch, _tree_only(long_factor * cap, k + 1_000_000)).history
+        finals = [h[-1][1] for h in (*histories.values(), long) if h]
+        if not finals:
+            continue
+        best = min(finals)
+        iters = {
+            name: next((it for it, t in history if t <= best * (1 + tolerance)), None)
+            for name, history in histories.items()
+        }
+        out.append(NearBest(topology.name, best, iters))
+    return out
+
+
+def near_best_means(results: Sequence[NearBest], cap: int) -> dict[str, float]:
+    """Mean iterations to near-best per prior over ``results``; a search that never got there counts
+    ``cap + 1``."""
+    if not results:
+        return {}
+    return {
+        name: sum(cap + 1 if r.iters[name] is None else r.iters[name] for r in results) / len(results)
+        for name in results[0].iters
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -150,3 +150,20 @@ def test_shipped_weights_guide_a_search() -> None:
     sim = Simulator(graph, group_ops(graph, 3), random_topology(11))
     result = search(sim, 32, SearchConfig(iterations=30, sfb=False), model=gnn)
     assert result.plan is not None and result.speedup > 1.0
+
+
+def test_an_untrained_prior_does_not_pass_the_near_best_study() -> None:
+    """The study of bench/search.py can fail: a random network is no 3x better than the uniform prior."""
+    from tagps.strategy.train import iters_to_near_best, near_best_means
+
+    torch.manual_seed(0)
+    untrained = GNNPrior(TagGNN(GNNConfig()))
+    topologies = [random_topology(seed) for seed in range(3100, 3106)]
+    cap = 40
+    results = iters_to_near_best(
+        {"random": untrained, "uniform": None}, "mlp-mini", topologies, cap, groups=8, long_factor=10
+    )
+    assert len(results) == len(topologies)
+    assert sum(r.iters["uniform"] is not None for r in results) >= len(results) // 2  # not degenerate
+    means = near_best_means(results, cap)
+    assert means["random"] > means["uniform"] / 3
