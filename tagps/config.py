@@ -123,7 +123,8 @@ class CommConfig:
         local_rank: this process's rank on its machine (``BYTEPS_LOCAL_RANK``, default 0).
         local_size: processes on this machine (``BYTEPS_LOCAL_SIZE``, default 1).
         dist_port: torch.distributed rendezvous port (``TAGPS_DIST_PORT``, default ``root_port + 1``).
-        dist_backend: ``auto`` (NCCL with CUDA, else gloo), ``gloo`` or ``nccl`` (``TAGPS_DIST_BACKEND``).
+        dist_backend: ``auto`` (``cpu:gloo,cuda:nccl`` with CUDA, else gloo), ``gloo``, ``nccl`` or
+            ``cpu:gloo,cuda:nccl`` (gloo for CPU tensors, NCCL for CUDA ones) (``TAGPS_DIST_BACKEND``).
         dist_timeout_s: collective and rendezvous timeout in seconds (``TAGPS_DIST_TIMEOUT``, default 300).
         fusion_bytes: consecutive all-reduced gradients are fused into buckets of up to this many bytes
             (``TAGPS_FUSION_BYTES``, default 25 MiB as DDP; 0 turns fusion off).
@@ -198,7 +199,9 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
         local_rank=_read(env, "BYTEPS_LOCAL_RANK", _int(0), 0),
         local_size=_read(env, "BYTEPS_LOCAL_SIZE", _int(1), 1),
         dist_port=_read(env, "TAGPS_DIST_PORT", _int(1), default_dist_port),
-        dist_backend=_read(env, "TAGPS_DIST_BACKEND", _choice("auto", "gloo", "nccl"), "auto"),
+        dist_backend=_read(
+            env, "TAGPS_DIST_BACKEND", _choice("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"), "auto"
+        ),
         dist_timeout_s=_read(env, "TAGPS_DIST_TIMEOUT", float, 300.0),
         fusion_bytes=_read(env, "TAGPS_FUSION_BYTES", _int(0), 25 << 20),
         pcie_switch_size=_read(env, "BYTEPS_PCIE_SWITCH_SIZE", _int(0), 0),

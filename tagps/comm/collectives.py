@@ -3,6 +3,10 @@
 Every worker process of the job (``DMLC_NUM_WORKER`` machines times ``BYTEPS_LOCAL_SIZE``) joins one
 process group, ranked machine-major as BytePS ranks them. The rendezvous is a ``TCPStore`` served by rank
 0 at ``DMLC_PS_ROOT_URI:TAGPS_DIST_PORT``.
+
+On a host with CUDA the group has one backend per device type (``cpu:gloo,cuda:nccl``): CUDA tensors go
+through NCCL, CPU tensors (a metric, the layout checks) through gloo. :func:`bind_device` gives each local
+rank its own GPU, as NCCL requires.
 """
 
 from __future__ import annotations
@@ -18,18 +22,24 @@ from tagps.comm.handle import CompletedWork, Waitable
 from tagps.config import CommConfig, ConfigError
 
 __all__ = [
+    "MIXED_BACKEND",
     "all_gather_rows_async",
     "all_gather_varlen",
     "all_gather_varlen_async",
     "all_reduce_async",
     "all_to_all_rows_async",
     "backend_for",
+    "bind_device",
+    "bound_device",
+    "check_device",
     "check_same_layout",
     "init_process_group",
     "shutdown_process_group",
 ]
 
 _owned = False
+_bound: torch.device | None = None  # set by bind_device()
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 _MAX_DIMS = 9
 # Index of a dtype in the metadata that collectives exchange before moving data.
 _DTYPE_CODES = (
@@ -39,10 +49,73 @@ _DTYPE_CODES = (
 
 
 def backend_for(cfg: CommConfig) -> str:
-    """Return the ``torch.distributed`` backend for ``cfg``: NCCL when CUDA is usable, else gloo."""
-    if cfg.dist_backend != "auto":
-        return cfg.dist_backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """Return the ``torch.distributed`` backend for ``cfg``.
+
+    ``gloo``, ``nccl`` and :data:`MIXED_BACKEND` are taken as given; ``auto`` is the mixed one when CUDA is
+    usable (CPU tensors still reduce, through gloo), else gloo.
+
+    Raises:
+        ConfigError: NCCL is asked for but this torch has no NCCL or this host no usable GPU.
+    """
+    if cfg.dist_backend == "auto":
+        return MIXED_BACKEND if torch.cuda.is_available() else "gloo"
+    if "nccl" in cfg.dist_backend and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise ConfigError(
+            f"TAGPS_DIST_BACKEND={cfg.dist_backend} needs NCCL and a GPU, but this torch "
+            f"({torch.__version__}) {'sees no usable GPU' if dist.is_nccl_available() else 'has no NCCL'}; "
+            "use TAGPS_DIST_BACKEND=gloo or auto"
+        )
+    return cfg.dist_backend
+
+
+def bind_device(cfg: CommConfig) -> torch.device | None:
+    """Make ``cuda:local_rank`` this process's current device when the job uses NCCL; return it.
+
+    ``local_rank`` indexes the GPUs this process sees, so ``CUDA_VISIBLE_DEVICES`` is honoured. NCCL
+    cannot run two ranks on one GPU ("Duplicate GPU detected"), so more local ranks than visible GPUs is
+    refused here, before the process group exists. Under gloo nothing is bound: ranks may share GPUs.
+
+    Raises:
+        ConfigError: more local ranks than visible GPUs under NCCL (naming both counts), or NCCL without
+            a GPU (see :func:`backend_for`).
+    """
+    global _bound
+    if "nccl" not in backend_for(cfg):
+        _bound = None
+        return None
+    visible = torch.cuda.device_count()
+    if cfg.local_size > visible:
+        raise ConfigError(
+            f"NCCL needs one GPU per local rank, but BYTEPS_LOCAL_SIZE={cfg.local_size} processes share "
+            f"{visible} visible GPU(s) (after CUDA_VISIBLE_DEVICES); start at most {visible} local ranks, "
+            "or set TAGPS_DIST_BACKEND=gloo to let them share GPUs"
+        )
+    _bound = torch.device("cuda", cfg.local_rank)
+    torch.cuda.set_device(_bound)
+    return _bound
+
+
+def bound_device() -> torch.device | None:
+    """The GPU :func:`bind_device` bound this process to (``None``: none, the job does not use NCCL)."""
+    return _bound
+
+
+def check_device(tensor: torch.Tensor, what: str) -> None:
+    """Refuse a CUDA tensor that is not on this process's bound GPU (NCCL would fail or hang on it).
+
+    Args:
+        tensor: the tensor about to be reduced.
+        what: how to name it in the message, e.g. ``"'fc1.weight'"``.
+
+    Raises:
+        ValueError: naming ``what``, its device and the bound one.
+    """
+    if _bound is not None and tensor.is_cuda and tensor.device != _bound:
+        raise ValueError(
+            f"{what} is on {tensor.device}, but this process (local rank {_bound.index}) is bound to "
+            f"{_bound}: under NCCL each rank's CUDA tensors must live on its own GPU; move it with "
+            f".to('{_bound}')"
+        )
 
 
 def init_process_group(cfg: CommConfig) -> None:
@@ -81,7 +154,8 @@ def init_process_group(cfg: CommConfig) -> None:
 
 def shutdown_process_group() -> None:
     """Leave the process group, together with the other ranks, if :func:`init_process_group` created it."""
-    global _owned
+    global _owned, _bound
+    _bound = None
     if _owned and dist.is_initialized():
         # Leave together: a gloo rank that tears down its pairs and store while a peer is still closing
         # makes that peer abort in std::terminate (exit 134; 2 of 8 two-worker runs of
@@ -96,7 +170,12 @@ def shutdown_process_group() -> None:
 def all_reduce_async(
     tensor: torch.Tensor, group: object | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> Waitable:
-    """Start reducing ``tensor`` in place with ``op`` (default: a sum) over ``group`` (``None``: everyone)."""
+    """Start reducing ``tensor`` in place with ``op`` (default: a sum) over ``group`` (``None``: everyone).
+
+    Raises:
+        ValueError: ``tensor`` is on another GPU than the bound one (see :func:`check_device`).
+    """
+    check_device(tensor, f"the {tuple(tensor.shape)} tensor to all-reduce")
     if dist.get_world_size(group) == 1:
         return CompletedWork()
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
@@ -144,6 +223,7 @@ def all_gather_rows_async(
 
 def _layouts(tensor: torch.Tensor, group: object | None, extra: tuple[int, ...] = ()) -> list[list[int]]:
     """Every group rank's ``[first dim, dtype, ndim, *extra, *other dims]`` (-1 padded), in rank order."""
+    check_device(tensor, f"the {tuple(tensor.shape)} tensor to exchange")
     if tensor.dim() > _MAX_DIMS:
         raise ValueError(f"collectives support tensors of up to {_MAX_DIMS} dimensions, got {tensor.dim()}")
     shape = list(tensor.shape)
@@ -229,6 +309,7 @@ def all_to_all_rows_async(
     world = dist.get_world_size(group)
     if world == 1:
         return CompletedWork(), tensor.clone(), list(splits)
+    check_device(tensor, f"the {tuple(tensor.shape)} tensor to send all-to-all")
     row = math.prod(tensor.shape[1:])
     mine = [_DTYPE_CODES.index(tensor.dtype), row]
     send = torch.tensor([[s, *mine] for s in splits], dtype=torch.int64, device=tensor.device)

@@ -8,12 +8,14 @@ general plan): the shared-memory reduction runs among the subset's local ranks o
 the subset spans several machines their local ranks 0 push and pull keys declared for those machines only
 (``PSClient.declare(..., workers=...)``). A subset inside one machine needs no server.
 
-On CPU every local rank takes part in the shared-memory reduction (:mod:`tagps.comm.local_reduce`). On
-CUDA the same topology maps to an NCCL reduce inside each PCIe-switch group, a copy of the group leader's
-result to pinned host memory, the shared-memory reduction among the leaders, and the way back (copy to
-the device, NCCL broadcast inside the group); a subset stages every CUDA tensor in pinned host memory and
-reduces it there. The CUDA path is written for GPU machines and is untested here (these machines have no
-GPU); the CPU path is what the tests exercise.
+Every local rank takes part in the shared-memory reduction (:mod:`tagps.comm.local_reduce`) of CPU
+tensors. A CUDA tensor, on any backend, is staged through a pinned host buffer (one per name, reused) by
+a worker thread, on a copy stream of its own: the device-to-host copy waits on an event recorded on the
+caller's stream when the sum was started (right after backward produced the gradient), so backward's
+stream never waits for the copies. When the job runs NCCL and a PCIe-switch group holds several local
+ranks, the group first reduces on the GPUs (NCCL, on the copy stream), only the leaders stage and sum
+their group's result on the host, and NCCL broadcasts it back inside the group. A subset stages every
+CUDA tensor. The CUDA path runs only on GPU machines (``tests/torch/test_gpu.py``, ``bench/gpu.sh``).
 """
 
 from __future__ import annotations
@@ -89,10 +91,11 @@ class _Summation:
         self._workers = workers
         self._member = member
         self._declared: set[str] = set()
-        self._cuda = collectives.backend_for(cfg) == "nccl"
-        if self._cuda:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tagps-ps-cuda")
-            self._pinned: dict[str, torch.Tensor] = {}
+        # CUDA staging, created on the first CUDA tensor: one thread keeps the sums in submission order,
+        # which every member shares (NCCL switch-group collectives need the same order on every rank).
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pinned: dict[str, torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def declare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Register tensor names and shapes with the summation servers (collective over the members).
@@ -128,19 +131,24 @@ class _Summation:
 
         Args:
             name: the tensor's name, the same on every member.
-            tensor: a contiguous tensor (CPU, or CUDA on an NCCL job).
+            tensor: a contiguous CPU or CUDA tensor; a CUDA one must be complete on the current stream
+                (its sum starts after the work queued there so far).
             priority: higher values are pushed first.
 
         Raises:
-            ValueError: this process is not a member, or a CUDA tensor on a CPU job.
+            ValueError: this process is not a member, or a CUDA tensor on another GPU than the bound one.
             TypeError: a dtype the summation servers cannot sum.
         """
-        self.declare([(name, tensor)])
         if tensor.is_cuda:
-            if not self._cuda:
-                raise ValueError(f"{name!r} is a CUDA tensor but the job runs the CPU (gloo) path")
-            return _FutureWork(self._pool.submit(self._cuda_push_pull, name, tensor, priority))
-        return self._reducer.submit(name, tensor, priority)
+            collectives.check_device(tensor, repr(name))
+        self.declare([(name, tensor)])
+        if not tensor.is_cuda:
+            return self._reducer.submit(name, tensor, priority)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tagps-ps-cuda")
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(tensor.device))
+        return _FutureWork(self._pool.submit(self._cuda_push_pull, name, tensor, priority, produced))
 
     def _check_member(self) -> None:
         if not self._member:
@@ -153,21 +161,42 @@ class _Summation:
         )
         return _ClientWork(self._client, handle)
 
-    def _cuda_push_pull(self, name: str, tensor: torch.Tensor, priority: int) -> None:
-        self._via_host(name, tensor, priority)
+    def _cuda_route(self) -> tuple[Any, int, LocalReducer]:
+        """Where a CUDA sum goes: (NCCL switch group or ``None``, its leader's rank, the host reducer)."""
+        return None, self._cfg.rank, self._reducer
 
-    def _via_host(self, name: str, tensor: torch.Tensor, priority: int) -> None:
-        """Copy ``tensor`` to pinned host memory, sum it there (blocking), copy the result back."""
-        host = self._pinned.get(name)
-        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._pinned[name] = host
-        host.copy_(tensor)
-        self._reducer.submit(name, host, priority).wait()
-        tensor.copy_(host)
+    def _cuda_push_pull(
+        self, name: str, tensor: torch.Tensor, priority: int, produced: torch.cuda.Event
+    ) -> None:
+        """Sum the CUDA ``tensor`` in place through pinned host memory (on the staging thread; blocking).
+
+        Everything runs on this device's copy stream, which first waits for ``produced``; NCCL collectives
+        called here wait on that stream too. The stream is synchronised before returning, so the caller's
+        ``wait()`` sees the result without further ordering.
+        """
+        group, leader, reducer = self._cuda_route()
+        stream = self._streams.get(tensor.device)
+        if stream is None:
+            stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        # The current device is per thread: set it for this one, or NCCL and the copies would use GPU 0.
+        with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+            stream.wait_event(produced)
+            if group is not None:
+                dist.reduce(tensor, dst=leader, group=group)
+            if reducer.participating:
+                host = self._pinned.get(name)
+                if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+                    host = self._pinned[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                stream.synchronize()  # the host reduction reads ``host`` from another thread
+                reducer.submit(name, host, priority).wait()
+                tensor.copy_(host, non_blocking=True)
+            if group is not None:
+                dist.broadcast(tensor, src=leader, group=group)
+            stream.synchronize()
 
     def _stop(self) -> None:
-        if self._cuda:
+        if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._reducer.close()
 
@@ -212,21 +241,20 @@ class PSService(_Summation):
         super().__init__(cfg, client, "", None, True)
         self._subsets: dict[tuple[int, ...], PSSubset] = {}
         groups = cfg.local_groups()
-        if self._cuda:
+        # One machine's local sum is already the global sum: no push and pull is needed.
+        cross = self._cross if self._client is not None and cfg.num_worker > 1 else None
+        self._reducer = LocalReducer(
+            range(cfg.local_size), groups, cfg.local_rank, cfg.worker_id, cross, cfg.dist_timeout_s
+        )
+        # CUDA tensors of a switch group reduce over NCCL first; then only the leaders meet on the host.
+        self._switch: tuple[Any, int] | None = None
+        self._leaders: LocalReducer | None = None
+        if "nccl" in collectives.backend_for(cfg) and any(len(g) > 1 for g in groups):
             self._switch = self._switch_groups(cfg, groups)
             leaders = [g[0] for g in groups]
-            participants, reduce_groups = leaders, [[r] for r in leaders]
-        else:
-            participants, reduce_groups = list(range(cfg.local_size)), [list(g) for g in groups]
-        self._reducer = LocalReducer(
-            participants,
-            reduce_groups,
-            cfg.local_rank,
-            cfg.worker_id,
-            # One machine's local sum is already the global sum: no push and pull is needed.
-            cross=self._cross if self._client is not None and cfg.num_worker > 1 else None,
-            timeout=cfg.dist_timeout_s,
-        )
+            self._leaders = LocalReducer(
+                leaders, [[r] for r in leaders], cfg.local_rank, cfg.worker_id, cross, cfg.dist_timeout_s
+            )
 
     @staticmethod
     def _switch_groups(cfg: CommConfig, groups: tuple[tuple[int, ...], ...]) -> tuple[Any, int]:
@@ -264,21 +292,19 @@ class PSService(_Summation):
             self._subsets[key] = PSSubset(self._cfg, self._client, key)
         return self._subsets[key]
 
-    def _cuda_push_pull(self, name: str, tensor: torch.Tensor, priority: int) -> None:
-        """NCCL reduce inside the switch group, host reduction among leaders, then back (untested here)."""
-        group, leader = self._switch
-        if group is not None:
-            dist.reduce(tensor, dst=leader, group=group)
-        if self._reducer.participating:
-            self._via_host(name, tensor, priority)
-        if group is not None:
-            dist.broadcast(tensor, src=leader, group=group)
+    def _cuda_route(self) -> tuple[Any, int, LocalReducer]:
+        """The NCCL switch group and the leaders' reducer when the job runs NCCL, else the default route."""
+        if self._switch is None or self._leaders is None:
+            return super()._cuda_route()
+        return (*self._switch, self._leaders)
 
     def close(self) -> None:
         """Stop the subsets, the reduction service and the PS client."""
         for sub in self._subsets.values():
             sub.close()
-        self._stop()
+        self._stop()  # first: the staging thread may still be using the leaders' reducer
+        if self._leaders is not None:
+            self._leaders.close()
         if self._client is not None:
             self._client.close()
 

@@ -52,10 +52,17 @@ _atexit_registered = False
 
 
 def init() -> State:
-    """Create the process-wide state from the environment (idempotent) and join the process group."""
+    """Create the process-wide state from the environment (idempotent), bind this local rank to its GPU
+    when the job uses NCCL, and join the process group.
+
+    Raises:
+        tagps.config.ConfigError: a malformed variable, or more local ranks than GPUs under NCCL.
+    """
     global _state, _atexit_registered
     if _state is None:
         cfg = comm_config(os.environ)
+        # Before the process group: NCCL picks each rank's GPU from the current device.
+        collectives.bind_device(cfg)
         collectives.init_process_group(cfg)
         _state = State(cfg)
         if not _atexit_registered:
