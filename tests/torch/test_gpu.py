@@ -137,6 +137,7 @@ def test_ps_refuses_a_tensor_on_another_gpu_by_name(monkeypatch: pytest.MonkeyPa
         with pytest.raises(ValueError, match=r"'layer.grad' is on cuda:0, but .* bound to cuda:1"):
             st.ps_service().push_pull_async("layer.grad", _fake_cuda_tensor(0))
     finally:
+        monkeypatch.undo()  # first, so that shutdown() leaves no device bound for the next test
         ops.shutdown()
 
 
