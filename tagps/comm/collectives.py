@@ -35,6 +35,7 @@ __all__ = [
     "check_same_layout",
     "init_process_group",
     "shutdown_process_group",
+    "uses_nccl",
 ]
 
 _owned = False
@@ -68,6 +69,12 @@ def backend_for(cfg: CommConfig) -> str:
     return cfg.dist_backend
 
 
+def uses_nccl(cfg: CommConfig) -> bool:
+    """Whether CUDA tensors reduce over NCCL: in the process group, or else in the one ``cfg`` asks for
+    (a group the script initialised itself keeps its own backend)."""
+    return "nccl" in (str(dist.get_backend()) if dist.is_initialized() else backend_for(cfg))
+
+
 def bind_device(cfg: CommConfig) -> torch.device | None:
     """Make ``cuda:local_rank`` this process's current device when the job uses NCCL; return it.
 
@@ -80,7 +87,7 @@ def bind_device(cfg: CommConfig) -> torch.device | None:
             a GPU (see :func:`backend_for`).
     """
     global _bound
-    if "nccl" not in backend_for(cfg):
+    if not uses_nccl(cfg):
         _bound = None
         return None
     visible = torch.cuda.device_count()

@@ -249,7 +249,7 @@ class PSService(_Summation):
         # CUDA tensors of a switch group reduce over NCCL first; then only the leaders meet on the host.
         self._switch: tuple[Any, int] | None = None
         self._leaders: LocalReducer | None = None
-        if "nccl" in collectives.backend_for(cfg) and any(len(g) > 1 for g in groups):
+        if collectives.uses_nccl(cfg) and any(len(g) > 1 for g in groups):
             self._switch = self._switch_groups(cfg, groups)
             leaders = [g[0] for g in groups]
             self._leaders = LocalReducer(

@@ -92,6 +92,16 @@ def test_gloo_binds_nothing(fake_gpus: list[torch.device]) -> None:
     assert fake_gpus == []
 
 
+def test_an_adopted_gloo_group_binds_nothing(fake_gpus: list[torch.device]) -> None:
+    """A process group the script created keeps its backend, whatever TAGPS_DIST_BACKEND would pick."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert collectives.bind_device(CommConfig(local_size=3, local_rank=2)) is None
+    finally:
+        dist.destroy_process_group()
+    assert fake_gpus == []
+
+
 def test_more_local_ranks_than_gpus_under_nccl_is_refused(fake_gpus: list[torch.device]) -> None:
     with pytest.raises(ConfigError, match=r"BYTEPS_LOCAL_SIZE=3 processes share 2 visible GPU.*=gloo"):
         collectives.bind_device(CommConfig(local_size=3, local_rank=0))
