@@ -39,6 +39,7 @@ from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.config import CommConfig
 from tagps.strategy.plan import Plan, PlanError, load
 from tagps.torch import ops
+from tagps.torch.buckets import fusion_units, numel
 from tagps.torch.layout import Stage, plan_stages
 
 __all__ = ["DistributedModel", "distribute"]
@@ -94,10 +95,6 @@ class _StageSync:
     method: dict[nn.Parameter, str]
     keys: dict[nn.Parameter, str]
     sfb: dict[nn.Parameter, str]
-
-
-def _numel(unit: list[nn.Parameter]) -> int:
-    return sum(p.numel() for p in unit)
 
 
 def _unit_key(unit: list[nn.Parameter], keys: dict[nn.Parameter, str]) -> str:
@@ -172,7 +169,7 @@ class _Bucketer:
             return self._sum(unit[0].grad, method, self.keys[unit[0]])  # type: ignore[arg-type]
         flat = self.flat.get(index)
         if flat is None:
-            flat = self.flat[index] = torch.empty(_numel(unit), dtype=unit[0].dtype)
+            flat = self.flat[index] = torch.empty(numel(unit), dtype=unit[0].dtype)
         torch.cat([p.grad.reshape(-1) for p in unit], out=flat)  # type: ignore[union-attr]
         inner = self._sum(flat, method, _unit_key(unit, self.keys))
 
@@ -370,7 +367,8 @@ class DistributedModel(nn.Module):
                     method[p] = "allreduce"  # a Linear bias marked sfb is the all-reduced half of SFB
             order = [p for p in reversed(params) if method[p] != "none"]
             keys = {p: f"general.{names[id(p)]}" for p in params}
-            syncs.append(_StageSync(s, _buckets(order, method, plan.comm.fusion_bytes), method, keys, sfb))
+            units = fusion_units(order, method, plan.comm.fusion_bytes)
+            syncs.append(_StageSync(s, units, method, keys, sfb))
         self._local_params = [p for p in model.parameters() if id(p) in owner]
         if not self._local_params:
             # A worker whose ops have no parameters (an mp part of activations only) still builds its
@@ -398,7 +396,7 @@ class DistributedModel(nn.Module):
             ps_units = [u for u in sync.units if sync.method[u[0]] == "ps"]
             if ps_units:
                 summers[sync.stage].declare(
-                    [(_unit_key(u, sync.keys), torch.empty(_numel(u), dtype=u[0].dtype)) for u in ps_units]
+                    [(_unit_key(u, sync.keys), torch.empty(numel(u), dtype=u[0].dtype)) for u in ps_units]
                 )
             ranks = tuple(sorted(self._rank_of[d] for d in self.stages[sync.stage].devices))
             bucketer = _Bucketer(
@@ -835,31 +833,6 @@ def _nearest(device: str, holders: Sequence[str]) -> str:
         return device
     machine = device.split(":", 1)[0]
     return next((h for h in holders if h.split(":", 1)[0] == machine), holders[0])
-
-
-def _buckets(
-    order: list[nn.Parameter], method: dict[nn.Parameter, str], fusion_bytes: int
-) -> list[list[nn.Parameter]]:
-    """Runs of gradients with the same method (``allreduce`` or ``ps``) and dtype, fused up to
-    ``fusion_bytes``; every SFB weight alone. Depends only on the model: the same cut on every worker."""
-    units: list[list[nn.Parameter]] = []
-    size = 0
-    for p in order:
-        nbytes = p.numel() * p.element_size()
-        last = units[-1] if units else None
-        if (
-            method[p] in ("allreduce", "ps")
-            and last is not None
-            and method[last[0]] == method[p]
-            and last[0].dtype == p.dtype
-            and size + nbytes <= fusion_bytes
-        ):
-            last.append(p)
-            size += nbytes
-        else:
-            units.append([p])
-            size = nbytes
-    return units
 
 
 def _hook(bucketer: _Bucketer) -> Callable[[torch.Tensor], None]:

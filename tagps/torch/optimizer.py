@@ -29,6 +29,7 @@ from torch import nn
 from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.torch import ops, timeline
+from tagps.torch.buckets import fusion_units, numel
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 from tagps.torch.strategy import resolve_strategy
@@ -147,7 +148,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # PS keys are per optimizer instance: another model's parameter may reuse a name with another shape.
         instance = next(st.optimizers)
         self._keys = {p: f"opt{instance}.{self._names[p]}" for p in self._params}
-        self._units = _units(
+        self._units = fusion_units(
             [p for p in reversed(self._params) if self._method[p] != "none"],
             self._method,
             fusion_bytes,
@@ -158,7 +159,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # unsupported dtype fails before training and no step pays for the registration.
             st.ps_service().declare(
                 [
-                    (self._unit_key(u), compression.compress(torch.empty(_numel(u), dtype=u[0].dtype))[0])
+                    (self._unit_key(u), compression.compress(torch.empty(numel(u), dtype=u[0].dtype))[0])
                     for u in ps_units
                 ]
             )
@@ -294,7 +295,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in unit]
         flat = self._flat.get(index)
         if flat is None:
-            flat = torch.empty(_numel(unit), dtype=grads[0].dtype, device=grads[0].device)
+            flat = torch.empty(numel(unit), dtype=grads[0].dtype, device=grads[0].device)
             self._flat[index] = flat
         offset = 0
         for g in grads:  # the batch weight is applied on the way in: one pass over the gradients
@@ -417,36 +418,6 @@ def _check_groups(groups: object, params: list[nn.Parameter]) -> None:
             if id(p) in seen:
                 raise ValueError("groups holds a parameter twice")
             seen.add(id(p))
-
-
-def _numel(unit: list[nn.Parameter]) -> int:
-    return sum(p.numel() for p in unit)
-
-
-def _units(
-    order: list[nn.Parameter], method: dict[nn.Parameter, str], fusion_bytes: int
-) -> list[list[nn.Parameter]]:
-    """Cut the launch order into units: runs of gradients with the same method (``allreduce`` or ``ps``),
-    dtype and device fused up to ``fusion_bytes``, and every SFB weight alone. The cut depends only on the
-    model, so it is the same on every worker."""
-    units: list[list[nn.Parameter]] = []
-    size = 0
-    for p in order:
-        nbytes = p.numel() * p.element_size()
-        last = units[-1] if units else None
-        if (
-            method[p] in ("allreduce", "ps")
-            and last is not None
-            and method[last[0]] == method[p]
-            and (last[0].dtype, last[0].device) == (p.dtype, p.device)
-            and size + nbytes <= fusion_bytes
-        ):
-            last.append(p)
-            size += nbytes
-        else:
-            units.append([p])
-            size = nbytes
-    return units
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

@@ -296,7 +296,7 @@ def test_top_level_distributed_optimizer(world_of_one: None) -> None:
 
 
 def test_fusion_units_are_deterministic_runs() -> None:
-    from tagps.torch.optimizer import _units
+    from tagps.torch.buckets import fusion_units
 
     f32, f64 = torch.float32, torch.float64
     shapes = [(4, f32), (4, f32), (300, f32), (2, f32), (2, f64), (2, f64), (8, f32)]
@@ -304,10 +304,10 @@ def test_fusion_units_are_deterministic_runs() -> None:
     method = dict.fromkeys(ps, "allreduce")
     method[ps[3]] = "sfb"
     index = {id(p): i for i, p in enumerate(ps)}
-    cut = [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=64)]
+    cut = [[index[id(p)] for p in u] for u in fusion_units(ps, method, fusion_bytes=64)]
     assert cut == [[0, 1], [2], [3], [4, 5], [6]]
     method[ps[1]] = "ps"  # a change of method cuts too
-    assert [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=64)] == [
+    assert [[index[id(p)] for p in u] for u in fusion_units(ps, method, fusion_bytes=64)] == [
         [0],
         [1],
         [2],
@@ -315,7 +315,8 @@ def test_fusion_units_are_deterministic_runs() -> None:
         [4, 5],
         [6],
     ]
-    assert [[index[id(p)] for p in u] for u in _units(ps, method, fusion_bytes=0)] == [[i] for i in range(7)]
+    unfused = fusion_units(ps, method, fusion_bytes=0)
+    assert [[index[id(p)] for p in u] for u in unfused] == [[i] for i in range(7)]
 
 
 def _world_plan(comm: dict[str, object], gradients: dict[str, dict[str, object]] | None = None) -> dict:
