@@ -1,7 +1,9 @@
 """``python -m tagps.server``: run one summation server of a PS job (configured by ``DMLC_*`` etc.).
 
 Flags:
-    --checkpoint PATH  write the store and optimizer state to PATH at a clean shutdown.
+    --checkpoint PATH  write the store and optimizer state to PATH (atomically) at a clean shutdown.
+    --checkpoint-every N  also write it while serving, at the first step boundary after some key
+                       completed N rounds since the last checkpoint (sync mode).
     --restore PATH     start from a checkpoint written by ``--checkpoint`` (same rank and settings).
 """
 
@@ -23,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--checkpoint", metavar="PATH", help="write the server state here at a clean shutdown"
     )
+    parser.add_argument(
+        "--checkpoint-every",
+        metavar="N",
+        type=int,
+        help="also write the checkpoint every N rounds, at a step boundary (needs --checkpoint)",
+    )
     parser.add_argument("--restore", metavar="PATH", help="start from this checkpoint")
     args = parser.parse_args(argv)
     try:
@@ -33,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config, "server")
     try:
-        server = SummationServer(config, optimizer, checkpoint=args.checkpoint, restore=args.restore)
+        server = SummationServer(
+            config,
+            optimizer,
+            checkpoint=args.checkpoint,
+            restore=args.restore,
+            checkpoint_every=args.checkpoint_every,
+        )
     except (ValueError, RuntimeError) as exc:
         print(f"tagps.server: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,14 @@ at once; a pull of round ``r`` waits until every worker pushed round ``r - TAGPS
 bound is set, and is answered with a copy of the store.
 
 A bad message never stops the server: it is logged and answered with :attr:`Op.ERROR` to its sender.
+
+Checkpoints (``checkpoint=``) are written atomically at a clean shutdown and, with ``checkpoint_every=N``
+(sync mode), also while the job runs: when some key completed ``N`` rounds since the last checkpoint, the
+I/O thread parks every engine at a marker in its queue (so the state is the effect of exactly the messages
+dispatched before), and if no round is in progress and every key that moved since the last checkpoint
+moved by the same number of rounds (a step boundary of a training loop), it copies the state and a writer
+thread saves the copy. Keys that move at different rates (say one declared mid-step) would never line up,
+so after ``3 N`` rounds any moment without a round in progress is taken, with a warning.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import numpy as np
 import zmq
 
 from tagps import kernels
+from tagps.atomic import atomic_open
 from tagps.config import PSConfig, ServerOptimizerConfig
 from tagps.ps.node import JobFailed, SchedulerLink
 from tagps.ps.optimizer import OptimizerState, ServerOptimizer
@@ -64,6 +73,7 @@ log = logging.getLogger(__name__)
 
 # Version 2 added each key's worker set; version 1 checkpoints (every key on every worker) still restore.
 _CHECKPOINT_VERSION = 2
+_PARK = object()  # engine queue marker: wait at the checkpoint barrier until the I/O thread copied the state
 
 
 @dataclass
@@ -84,6 +94,7 @@ class _Key:
     restored: bool = False
     ready: bool = False
     round: int = 0
+    cut_round: int = 0  # ``round`` at the last checkpoint (or when declared or restored)
     frames: list[Any] = field(default_factory=list)
     pushed: bytearray = field(default_factory=bytearray)
     pulls: list[tuple[bytes, int, int]] = field(default_factory=list)
@@ -112,6 +123,12 @@ class SummationServer:
         optimizer: the server-side optimizer (``name="none"``: plain summation).
         checkpoint: write the store and optimizer state here at a clean shutdown.
         restore: start from this checkpoint (same rank, keys, dtypes and optimizer as when it was written).
+        checkpoint_every: also write ``checkpoint`` while serving, at the first step boundary after some key
+            completed this many rounds since the last one (see the module docstring).
+
+    Raises:
+        ValueError: an unreadable or mismatched ``restore``, or ``checkpoint_every`` below 1, without
+            ``checkpoint`` or in async mode (its pushes have no rounds to line up).
     """
 
     def __init__(
@@ -121,8 +138,17 @@ class SummationServer:
         *,
         checkpoint: str | Path | None = None,
         restore: str | Path | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
+        if checkpoint_every is not None and (
+            checkpoint_every < 1 or checkpoint is None or config.enable_async
+        ):
+            raise ValueError(
+                f"checkpoint_every={checkpoint_every} needs a value >= 1, a checkpoint path "
+                f"({checkpoint}) and sync mode (BYTEPS_ENABLE_ASYNC={int(config.enable_async)})"
+            )
         self.config = config
+        self.checkpoint_every = checkpoint_every
         # Parallelism comes from the engine threads; OpenMP teams inside each would only oversubscribe the
         # cores and spin between sums (measured: 4 MiB push_pull 20 ms with teams, 6 ms without).
         kernels.set_num_threads(1)
@@ -146,6 +172,9 @@ class SummationServer:
         self._data.setsockopt(zmq.LINGER, 0)
         port = bind_random_port(self._data, host)
         self._replies = self._context.socket(zmq.PULL)
+        # No high-water mark on the engines' replies: an engine blocked in send while the I/O thread waits
+        # for it at a checkpoint would deadlock (what is queued is bounded by the workers' requests).
+        self._replies.setsockopt(zmq.RCVHWM, 0)
         self._replies_endpoint = f"inproc://tagps-server-replies-{id(self)}"
         self._replies.bind(self._replies_endpoint)
         self._link = SchedulerLink(
@@ -157,6 +186,12 @@ class SummationServer:
             queue.SimpleQueue() for _ in range(config.engine_threads)
         ]
         self._engines: list[threading.Thread] = []
+        # Rounds completed per engine (each engine counts its own: no lock); the I/O thread tries a
+        # checkpoint only when the total moved since its last try.
+        self._done = [0] * config.engine_threads
+        self._done_tried = 0
+        self._park = threading.Barrier(config.engine_threads + 1)
+        self._writer: threading.Thread | None = None
         log.info("server listening on %s:%d", host, port)
 
     # -- main loop ----------------------------------------------------------------------------
@@ -185,6 +220,8 @@ class SummationServer:
         finally:
             self._stop_engines()
             self._close()
+            if self._writer is not None:
+                self._writer.join()
         if self.checkpoint is not None:
             self.save(self.checkpoint)
         return 0
@@ -217,6 +254,8 @@ class SummationServer:
                     log.info("shutdown requested by the scheduler")
                     return
             self._link.beat()
+            if self.checkpoint_every is not None:
+                self._try_checkpoint(self.checkpoint_every)
 
     def _dispatch(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
@@ -329,6 +368,7 @@ class SummationServer:
     def _engine(self, index: int) -> None:
         out = self._context.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.SNDHWM, 0)
         out.connect(self._replies_endpoint)
         work = self._queues[index]
         try:
@@ -336,6 +376,10 @@ class SummationServer:
                 item = work.get()
                 if item is None:
                     return
+                if item is _PARK:
+                    self._park.wait()  # parked: the I/O thread reads every key now
+                    self._park.wait()  # released
+                    continue
                 header, identity, worker, payload = item
                 try:
                     if header.op == Op.INIT:
@@ -435,6 +479,7 @@ class SummationServer:
         for pull_identity, _, pull_round in st.pulls:
             self._send_value(out, st, pull_identity, pull_round, copy=False)
         st.pulls.clear()
+        self._done[st.engine] += 1  # last: when the I/O thread sees it, this key is between rounds
 
     def _pull(self, out: zmq.Socket, st: _Key, identity: bytes, worker: int, round: int) -> None:
         if not st.ready or st.counts is None:
@@ -503,8 +548,61 @@ class SummationServer:
             self._security.close()
             self._context.term()
 
+    def _cut_moved(self, every: int) -> set[int] | None:
+        """The rounds that the keys moved since the last checkpoint when it is time for the next one."""
+        ready = [st for st in self.keys.values() if st.ready]
+        if any(st.frames or st.pulls for st in ready):
+            return None  # a round in progress
+        moved = {st.round - st.cut_round for st in ready} - {0}
+        if not moved or max(moved) < every or (len(moved) > 1 and max(moved) < 3 * every):
+            return None
+        return moved
+
+    def _try_checkpoint(self, every: int) -> None:
+        """Park the engines and, at a step boundary, copy the state for the writer thread (I/O thread)."""
+        done = sum(self._done)
+        # A first look without parking (the engines may be changing what it reads) spares the engines a
+        # stop at nearly every round; the decision is taken again while they are parked.
+        if done == self._done_tried:
+            return
+        self._done_tried = done
+        if self._cut_moved(every) is None:
+            return
+        for work in self._queues:
+            work.put(_PARK)
+        self._park.wait()
+        try:
+            moved = self._cut_moved(every)
+            if moved is None:
+                return
+            if len(moved) > 1:
+                log.warning("checkpoint with keys at different steps: they moved %s rounds", sorted(moved))
+            snapshot = self._snapshot(copy=True)
+            for st in self.keys.values():
+                st.cut_round = st.round
+        finally:
+            self._park.wait()
+        if self._writer is not None:
+            self._writer.join()  # one write at a time, in order
+        self._writer = threading.Thread(
+            target=self._write_logged, args=(snapshot,), name="tagps-checkpoint", daemon=True
+        )
+        self._writer.start()
+
+    def _write_logged(self, snapshot: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
+        """Write a periodic checkpoint; a failure is logged and the server goes on (the old file stays)."""
+        assert self.checkpoint is not None
+        try:
+            self._write(self.checkpoint, snapshot)
+        except OSError as exc:
+            log.error("periodic checkpoint to %s failed: %s", self.checkpoint, exc)
+
     def save(self, path: str | Path) -> None:
-        """Write every key's store, round and optimizer state to ``path`` (an ``.npz`` file)."""
+        """Write every key's store, round and optimizer state to ``path`` (an ``.npz`` file), atomically."""
+        self._write(path, self._snapshot(copy=False))
+
+    def _snapshot(self, *, copy: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Return the checkpoint's metadata and arrays; ``copy``: arrays that the engines cannot change."""
         meta: dict[str, Any] = {
             "version": _CHECKPOINT_VERSION,
             "rank": self.rank,
@@ -528,14 +626,16 @@ class SummationServer:
                 }
             )
             if st.value is not None:
-                arrays[f"value_{st.key}"] = st.value
+                arrays[f"value_{st.key}"] = st.value.copy() if copy else st.value
             for name, buf in st.opt.buffers.items() if st.opt else ():
-                arrays[f"state_{st.key}_{name}"] = buf
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
+                arrays[f"state_{st.key}_{name}"] = buf.copy() if copy else buf
+        return meta, arrays
+
+    @staticmethod
+    def _write(path: str | Path, snapshot: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
+        meta, arrays = snapshot
+        with atomic_open(path) as fh:
             np.savez(fh, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-        tmp.replace(path)
         log.info("checkpoint of %d keys written to %s", len(meta["keys"]), path)
 
     def _restore(self, path: Path) -> int | None:
@@ -577,6 +677,7 @@ class SummationServer:
                             {n: np.array(data[f"state_{key}_{n}"]) for n in self.optimizer.buffer_names()},
                         )
                     st.restored = True
+                    st.cut_round = st.round
                     self.keys[key] = st
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"cannot restore the server checkpoint {path}: {exc}") from None
