@@ -6,10 +6,7 @@ rank holds after a few SGD-momentum steps with one process training the global b
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("general_worker.py")
 sys.path.insert(0, str(Path(__file__).parent))
 import general_worker  # noqa: E402
+from torch_jobs import run_job  # noqa: E402
 
 TOL = 1e-5
 
@@ -121,25 +119,7 @@ def run(
     env: dict[str, str] | None = None,
     servers: int = 0,
 ) -> list[dict[str, Any]]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    cmd = [
-        sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", str(servers),
-        "--grace", "2",
-        "--",
-        sys.executable, str(WORKER), "--cases", str(tmp / "cases.json"), "--out", str(tmp),
-    ]  # fmt: skip
-    child_env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60", **(env or {})}
-    try:
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"job timed out after {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None
-    assert proc.returncode == 0, (
-        f"job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(workers)]
+    return run_job(tmp, cases, workers=workers, servers=servers, env=env, timeout=timeout, worker=WORKER)
 
 
 def assert_parity(results: list[dict[str, Any]], name: str) -> None:

@@ -22,8 +22,12 @@ def run_job(
     local_size: int = 1,
     env: dict[str, str] | None = None,
     timeout: float = 150.0,
+    worker: Path = WORKER,
 ) -> list[dict[str, Any]]:
     """Run ``cases`` on ``workers`` machines of ``local_size`` processes; return each rank's results.
+
+    ``worker`` is the script each process runs (default: the parity worker); it takes ``--cases`` and
+    ``--out`` and writes ``rank<R>.json``.
 
     Raises:
         AssertionError: the job failed or timed out (with its output).
@@ -33,7 +37,7 @@ def run_job(
     cmd = [
         sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", str(servers),
         "--local-size", str(local_size), "--grace", "2", "--",
-        sys.executable, str(WORKER), "--cases", str(tmp / "cases.json"), "--out", str(tmp),
+        sys.executable, str(worker), "--cases", str(tmp / "cases.json"), "--out", str(tmp),
     ]  # fmt: skip
     child_env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60", **(env or {})}
     try:
