@@ -322,6 +322,7 @@ class _Search:
         self.ctx = SearchContext(sim, batch, self.order, self.actions, _speed_weights(sim, batch))
         self.mp_size = np.array([len(a.devices) if a.option == "mp" else 0 for a in self.actions], float)
         self.evaluations = 0
+        self.shares: dict[tuple[int, ...], dict[str, int]] = {}  # per set of replicated device groups
         self.best: tuple[float, Plan, SimResult] | None = None
         self.best_decided: tuple[int, ...] = ()  # the tree path of ``best``
         base = dp_nccl(sim, batch, config.optimizer)
@@ -364,11 +365,18 @@ class _Search:
             self.batch,
             tuple(groups),
             gradients,
-            _shares(sim, self.batch, used, self.ctx.shares_weight),
+            dict(self.shares_of(tuple(used))),
             kind=kind,
             optimizer=self.config.optimizer,
             comm=CommSettings(overlap=True, fusion_bytes=HOROVOD_FUSION_BYTES),
         ).validate()
+
+    def shares_of(self, used: tuple[int, ...]) -> dict[str, int]:
+        """:func:`_shares` over ``used``, once per set (the greedy split loops over every sample)."""
+        hit = self.shares.get(used)
+        if hit is None:
+            hit = self.shares[used] = _shares(self.sim, self.batch, used, self.ctx.shares_weight)
+        return hit
 
     def evaluate(self, decided: tuple[int, ...]) -> tuple[float, SimResult | None]:
         """Reward and simulation of a node's partial plan; remembers the best feasible plan."""
