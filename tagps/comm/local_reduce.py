@@ -13,14 +13,25 @@ still be copying the previous result out.)
 Coordination is a small message protocol over ZeroMQ on loopback, driven by one service thread per
 process; the root counts ``ready`` and ``reduced`` messages per tensor name and answers ``reduce`` and
 ``done``. Tensor names are the keys, so participants may submit in different orders.
+
+The root's socket listens on loopback, where any local process can connect. Every message to it therefore
+starts with a random per-reducer token that the root hands to the participants through the collective
+setup (``all_gather_object``), and names its sender; the root answers a participant on the connection that
+last sent it an authenticated message. A message without the token, from an unknown participant, or
+malformed (too few frames, a bad number, a name with no round) is logged and dropped: the service thread
+never dies of one. When the service thread fails for any other reason, the root tells every participant
+of each unfinished round, so their ``wait()`` raises at once instead of after the timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import logging
 import mmap
 import os
 import queue
+import secrets
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,6 +46,12 @@ from tagps import kernels
 from tagps.comm.handle import Waitable
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
+
+log = logging.getLogger(__name__)
+
+
+class _Malformed(Exception):
+    """A message the service drops: unauthenticated, from an unknown sender, or not of the protocol."""
 
 
 def shard_bounds(count: int, parts: int, index: int, align: int = 16) -> tuple[int, int]:
@@ -98,6 +115,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _text(frame: bytes) -> str:
+    """A message frame as text; :class:`_Malformed` unless it is UTF-8."""
+    try:
+        return frame.decode()
+    except UnicodeDecodeError:
+        raise _Malformed("a frame that is not UTF-8 text") from None
+
+
+def _number(frame: bytes) -> int:
+    """A message frame as a non-negative decimal integer; :class:`_Malformed` otherwise."""
+    if not frame.isdigit() or len(frame) > 20:
+        raise _Malformed(f"{frame[:32]!r} is not a count")
+    return int(frame)
+
+
 class LocalReducer:
     """Sum tensors over the participating local ranks of this machine, and across machines via ``cross``.
 
@@ -142,13 +174,15 @@ class LocalReducer:
         self._ctx = zmq.Context.instance()
         endpoint = None
         job = None
+        token = None
         if self._root:
             self._sock = self._ctx.socket(zmq.ROUTER)
             port = self._sock.bind_to_random_port("tcp://127.0.0.1")
             endpoint = f"tcp://127.0.0.1:{port}"
             job = uuid.uuid4().hex[:12]
+            token = secrets.token_bytes(16)
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (machine, local_rank, endpoint, job))
+        dist.all_gather_object(everyone, (machine, local_rank, endpoint, job, token))
         self._arenas: dict[str, _Arena] = {}
         self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
         self._rounds: dict[str, _RootRound] = {}
@@ -156,14 +190,16 @@ class LocalReducer:
             queue.SimpleQueue()
         )
         self._error: BaseException | None = None
+        self._routes: dict[int, bytes] = {}  # root: participant -> its connection's routing id
         if self._me is None:
             return
         root_info = next(e for e in everyone if e[0] == machine and e[1] == root_rank)
         self._prefix = os.path.join(shm_dir, f"tagps-{root_info[3]}-m{machine}-")
+        self._token: bytes = root_info[4]
         if not self._root:
             self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.IDENTITY, str(self._me).encode())
             self._sock.connect(root_info[2])
+            self._to_root(b"hello")  # so that the root can reach this participant before it sends anything
         self._sock.setsockopt(zmq.LINGER, 0)
         self._wake_addr = f"inproc://tagps-local-reduce-{id(self)}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
@@ -237,11 +273,20 @@ class LocalReducer:
                             task[3].set(exc)
                 if self._sock in events:
                     while self._sock.poll(0):
-                        self._on_message(self._sock.recv_multipart())
+                        frames = self._sock.recv_multipart()
+                        try:
+                            self._on_message(frames)
+                        except _Malformed as exc:
+                            log.warning("local reduction dropped a message: %s", exc)
                 if self._root:
                     self._check_cross()
         except BaseException as exc:  # every pending wait() must see it instead of timing out
             self._error = exc
+            log.exception("the local reduction service failed")
+            if self._root:  # the other participants' waits too
+                for name in list(self._rounds):
+                    with contextlib.suppress(Exception):
+                        self._broadcast(b"fail", name.encode(), f"the local root failed: {exc!r}".encode())
             for _, future in self._waiting.values():
                 future.set(exc)
             self._waiting.clear()
@@ -281,13 +326,20 @@ class LocalReducer:
         if self._root:
             self._on_ready(name, 0, shape, priority)
         else:
-            self._sock.send_multipart([b"ready", name.encode(), shape[0].encode(), str(shape[1]).encode()])
+            self._to_root(b"ready", name.encode(), shape[0].encode(), str(shape[1]).encode())
+
+    def _to_root(self, *parts: bytes) -> None:
+        self._sock.send_multipart([self._token, str(self._me).encode(), *parts])
 
     def _send(self, member: int, *parts: bytes) -> None:
         if member == 0:
-            self._on_command([*parts])
-        else:
-            self._sock.send_multipart([str(member).encode(), *parts])
+            # The root's own copy: a "fail" may name a tensor the root has not submitted yet.
+            with contextlib.suppress(_Malformed):
+                self._on_command([*parts])
+        elif member in self._routes:
+            self._sock.send_multipart([self._routes[member], *parts])
+        else:  # its hello has not arrived yet (a "fail" to a participant still starting)
+            log.warning("local reduction: participant %d has not connected; %r not sent", member, parts[0])
 
     def _broadcast(self, *parts: bytes) -> None:
         for member in range(1, len(self._participants)):
@@ -295,16 +347,35 @@ class LocalReducer:
         self._send(0, *parts)
 
     def _on_message(self, frames: list[bytes]) -> None:
+        """Handle a message from the socket; raises :class:`_Malformed` for one to drop."""
         if not self._root:
             self._on_command(frames)
             return
-        member, kind, name = int(frames[0]), frames[1], frames[2].decode()
-        if kind == b"ready":
-            self._on_ready(name, member, (frames[3].decode(), int(frames[4])), 0)
-        elif kind == b"reduced":
+        # [routing id, token, participant, kind, name, ...]
+        if len(frames) < 4 or not hmac.compare_digest(frames[1], self._token):
+            raise _Malformed("not authenticated with this reducer's token")
+        member = _number(frames[2])
+        if not 0 < member < len(self._participants):
+            raise _Malformed(f"sender {member} is not a participant")
+        kind, args = frames[3], frames[4:]
+        if kind == b"hello" and not args:
+            self._routes[member] = frames[0]
+        elif kind == b"ready" and len(args) == 3:
+            name, shape = _text(args[0]), (_text(args[1]), _number(args[2]))
+            rnd = self._rounds.get(name)
+            if rnd is not None and (member in rnd.ready or rnd.reduced):
+                raise _Malformed(f"participant {member} is not due to be ready for {name!r}")
+            self._routes[member] = frames[0]
+            self._on_ready(name, member, shape, 0)
+        elif kind == b"reduced" and len(args) == 1:
+            name = _text(args[0])
+            rnd = self._rounds.get(name)
+            if rnd is None or len(rnd.ready) < len(self._participants) or member in rnd.reduced:
+                raise _Malformed(f"participant {member} is not due to have reduced {name!r}")
+            self._routes[member] = frames[0]
             self._on_reduced(name, member)
         else:
-            raise RuntimeError(f"unexpected message {kind!r} from local participant {member}")
+            raise _Malformed(f"unknown message {kind[:32]!r} with {len(args)} arguments")
 
     def _on_ready(self, name: str, member: int, shape: tuple[str, int], priority: int) -> None:
         rnd = self._rounds.setdefault(name, _RootRound())
@@ -346,7 +417,10 @@ class LocalReducer:
         self._broadcast(b"done", name.encode())
 
     def _on_command(self, frames: list[bytes]) -> None:
-        kind, name = frames[0], frames[1].decode()
+        """Handle a command of the root (over the socket, or the root's own); raises :class:`_Malformed`."""
+        if len(frames) < 2 or _text(frames[1]) not in self._waiting:
+            raise _Malformed("a command for no tensor being reduced here")
+        kind, name = frames[0], _text(frames[1])
         tensor, future = self._waiting[name]
         arena = self._arenas[name]
         if kind == b"reduce":
@@ -354,16 +428,16 @@ class LocalReducer:
             if self._root:
                 self._on_reduced(name, 0)
             else:
-                self._sock.send_multipart([b"reduced", name.encode()])
+                self._to_root(b"reduced", name.encode())
         elif kind == b"done":
             tensor.reshape(-1).copy_(arena.result)
             del self._waiting[name]
             future.set()
         elif kind == b"fail":
             del self._waiting[name]
-            future.set(RuntimeError(frames[2].decode()))
+            future.set(RuntimeError(frames[2].decode(errors="replace") if len(frames) > 2 else "failed"))
         else:
-            raise RuntimeError(f"unexpected command {kind!r} from the local root")
+            raise _Malformed(f"unknown command {kind[:32]!r}")
 
     def _reduce_shard(self, arena: _Arena) -> None:
         start, stop = shard_bounds(arena.count, len(self._participants), self._me)  # type: ignore[arg-type]
