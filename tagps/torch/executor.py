@@ -88,12 +88,14 @@ class _Piece:
 
 @dataclass(frozen=True)
 class _StageSync:
-    """The gradient sync of one replicated stage this rank runs: buckets, methods, PS keys, SFB weights."""
+    """The gradient sync of one replicated stage this rank runs: buckets, methods, PS keys and priorities
+    (BytePS: the model's first layers first, since the next forward needs them first), SFB weights."""
 
     stage: int
     units: list[list[nn.Parameter]]
     method: dict[nn.Parameter, str]
     keys: dict[nn.Parameter, str]
+    priority: dict[nn.Parameter, int]
     sfb: dict[nn.Parameter, str]
 
 
@@ -116,7 +118,7 @@ class _Bucketer:
     def __init__(
         self, sync: _StageSync, group: Any, ps: Any, sfb: SufficientFactors | None, overlap: bool
     ) -> None:
-        self.units, self.method, self.keys = sync.units, sync.method, sync.keys
+        self.units, self.method, self.keys, self.priority = sync.units, sync.method, sync.keys, sync.priority
         self.group, self.ps, self.sfb, self.overlap = group, ps, sfb, overlap
         self.ready: set[nn.Parameter] = set()
         self.next = 0
@@ -150,10 +152,12 @@ class _Bucketer:
             self.handles.append(self._launch(self.next, self.units[self.next]))
             self.next += 1
 
-    def _sum(self, tensor: torch.Tensor, method: str, key: str) -> Handle:
-        """Start summing ``tensor`` in place over the replicas."""
+    def _sum(self, tensor: torch.Tensor, unit: list[nn.Parameter]) -> Handle:
+        """Start summing ``tensor`` (the gradient of ``unit``) in place over the replicas."""
+        method, key = self.method[unit[0]], _unit_key(unit, self.keys)
+        priority = max(self.priority[p] for p in unit)
         if method == "ps":
-            return Handle([self.ps.push_pull_async(key, tensor)], lambda: tensor, keep=(tensor,))
+            return Handle([self.ps.push_pull_async(key, tensor, priority)], lambda: tensor, keep=(tensor,))
         return ops.start_sum(tensor, method=method, name=key, group=self.group)
 
     def _launch(self, index: int, unit: list[nn.Parameter]) -> Handle:
@@ -166,12 +170,12 @@ class _Bucketer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if len(unit) == 1:
-            return self._sum(unit[0].grad, method, self.keys[unit[0]])  # type: ignore[arg-type]
+            return self._sum(unit[0].grad, unit)  # type: ignore[arg-type]
         flat = self.flat.get(index)
         if flat is None:
             flat = self.flat[index] = torch.empty(numel(unit), dtype=unit[0].dtype)
         torch.cat([p.grad.reshape(-1) for p in unit], out=flat)  # type: ignore[union-attr]
-        inner = self._sum(flat, method, _unit_key(unit, self.keys))
+        inner = self._sum(flat, unit)
 
         def finish() -> torch.Tensor:
             offset = 0
@@ -338,6 +342,7 @@ class DistributedModel(nn.Module):
     def _plan_syncs(self, model: nn.Module) -> list[_StageSync]:
         """Parameter ownership and the sync buckets of this rank's replicated stages (no communication)."""
         names = {id(p): n for n, p in model.named_parameters()}
+        priority = {p: -i for i, p in enumerate(model.parameters())}
         plan = self.plan
         owner: dict[int, int] = {}
         syncs = []
@@ -368,7 +373,7 @@ class DistributedModel(nn.Module):
             order = [p for p in reversed(params) if method[p] != "none"]
             keys = {p: f"general.{names[id(p)]}" for p in params}
             units = fusion_units(order, method, plan.comm.fusion_bytes)
-            syncs.append(_StageSync(s, units, method, keys, sfb))
+            syncs.append(_StageSync(s, units, method, keys, priority, sfb))
         self._local_params = [p for p in model.parameters() if id(p) in owner]
         if not self._local_params:
             # A worker whose ops have no parameters (an mp part of activations only) still builds its
