@@ -152,11 +152,32 @@ def init_process_group(cfg: CommConfig) -> None:
                 "TAGPS_DIST_PORT (or DMLC_PS_ROOT_PORT, whose successor is the default) is required "
                 f"for a job of {cfg.size} worker processes"
             )
-        store = dist.TCPStore(cfg.root_uri, cfg.dist_port, cfg.size, is_master=cfg.rank == 0, timeout=timeout)
+        store = _rendezvous_store(cfg, timeout)
     dist.init_process_group(
         backend_for(cfg), store=store, rank=cfg.rank, world_size=cfg.size, timeout=timeout
     )
     _owned = True
+
+
+# One TCPStore per process and rendezvous address, kept across shutdown() and init(): rebinding the master's
+# port right after closing it fails with EADDRINUSE now and then (seen 35 times in 60 create/delete cycles of
+# a bare TCPStore), and a client could reach the closing store. Each init() gets its own key prefix; every
+# rank inits as often as the others, so the generations agree.
+_stores: dict[tuple[str, int, int, int], dist.TCPStore] = {}
+_generation = 0
+
+
+def _rendezvous_store(cfg: CommConfig, timeout: datetime.timedelta) -> dist.Store:
+    global _generation
+    assert cfg.dist_port is not None
+    key = (cfg.root_uri, cfg.dist_port, cfg.size, cfg.rank)
+    store = _stores.get(key)
+    if store is None:
+        store = _stores[key] = dist.TCPStore(
+            cfg.root_uri, cfg.dist_port, cfg.size, is_master=cfg.rank == 0, timeout=timeout
+        )
+    _generation += 1
+    return dist.PrefixStore(f"tagps/{_generation}/", store)
 
 
 def shutdown_process_group() -> None:
