@@ -35,7 +35,6 @@ class State:
     cfg: CommConfig
     ps: PSService | None = None  # created on first use of the ps method
     handles: set[Handle] = field(default_factory=set)
-    names: itertools.count = field(default_factory=itertools.count)
     optimizers: itertools.count = field(default_factory=itertools.count)
 
     def ps_service(self) -> PSService:
