@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tagps.atomic import write_text_atomic
 from tagps.strategy.calibration import (
     FITTED,
     Calibration,
@@ -208,7 +209,7 @@ def _allreduce_probe(out: str, reps: int) -> None:
             times.append(time.perf_counter() - start)
         result[str(size)] = min(times)
     if bps.rank() == 0:
-        Path(out).write_text(json.dumps(result))
+        write_text_atomic(out, json.dumps(result))
     bps.shutdown()
 
 

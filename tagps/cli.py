@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tagps.atomic import write_text_atomic
+
 if TYPE_CHECKING:
     from tagps.cluster.run import Cluster
     from tagps.strategy.calibration import Calibration
@@ -85,7 +87,7 @@ def _run_cluster_up(args: argparse.Namespace) -> int:
     try:
         topology = cluster.topology(args.probe_seconds)
         path = Path(args.topology or f"{cluster.spec.name}.topology.json")
-        path.write_text(json.dumps(topology.to_dict(), indent=1) + "\n")
+        write_text_atomic(path, json.dumps(topology.to_dict(), indent=1) + "\n")
     except BaseException:
         cluster.down()
         raise

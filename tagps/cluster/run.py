@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tagps.atomic import write_text_atomic
 from tagps.cluster import cgroup as cg
 from tagps.cluster import netns
 from tagps.cluster.measure import LinkMeasurement, measure_pair
@@ -280,7 +281,7 @@ class Cluster:
             },
             "cgroups": {name: [str(g.path), g.version, g.cores] for name, g in self.cgroups.items()},
         }
-        _state_path(self.spec.name).write_text(json.dumps(state, indent=1))
+        write_text_atomic(_state_path(self.spec.name), json.dumps(state, indent=1))
 
 
 def up(spec: ClusterSpec | str | Path | Mapping[str, Any]) -> Cluster:

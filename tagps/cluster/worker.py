@@ -24,8 +24,9 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
+
+from tagps.atomic import write_text_atomic
 
 __all__ = ["main"]
 
@@ -181,9 +182,7 @@ def _write_result(
         "samples_per_s": plan.batch_size / mean,
         "losses": losses,
     }
-    partial = Path(f"{args.out}.partial")
-    partial.write_text(json.dumps(result, indent=1))
-    partial.replace(args.out)  # whole or absent, whatever happens to the job afterwards
+    write_text_atomic(args.out, json.dumps(result, indent=1))  # whole or absent, whatever happens next
 
 
 if __name__ == "__main__":

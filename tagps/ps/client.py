@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from tagps.atomic import write_text_atomic
 from tagps.config import PSConfig, ps_config
 from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
 from tagps.ps.protocol import (
@@ -701,7 +702,7 @@ class PSClient:
             return
         path = Path(self.config.trace_dir) / str(self.worker_id) / "comm.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"traceEvents": self._trace, "displayTimeUnit": "ms"}))
+        write_text_atomic(path, json.dumps({"traceEvents": self._trace, "displayTimeUnit": "ms"}))
         log.info("push_pull trace of %d events written to %s", len(self._trace), path)
 
     def _teardown(self) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tagps.atomic import write_text_atomic
 from tagps.models import MODELS, default_batch_size
 from tagps.strategy.gnn import DEFAULT_WEIGHTS, GNNConfig, GNNPrior, TagGNN
 from tagps.strategy.graph import model_graph
@@ -271,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "exclude": list(config.exclude)}
     out = Path(args.out)
     prior.save(out, meta)
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_text_atomic(out.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
     print(f"weights written to {out} ({out.stat().st_size} bytes)")
     return 0
 

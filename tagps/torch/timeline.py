@@ -10,12 +10,12 @@ show: each event is the whole operation.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from tagps.atomic import write_text_atomic
 from tagps.comm.handle import Handle
 from tagps.torch import ops
 
@@ -67,9 +67,7 @@ def stop_timeline() -> None:
         return
     with timeline.lock:
         text = json.dumps(timeline.events)
-    tmp = timeline.path.with_name(f".{timeline.path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, timeline.path)
+    write_text_atomic(timeline.path, text)
 
 
 def traced(handle: Handle, kind: str, name: str) -> Handle:
