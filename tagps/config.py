@@ -133,6 +133,10 @@ class CommConfig:
             overrides ``pcie_switch_size``.
         device: the plan device this process is meant to be, e.g. ``m0:1`` (``TAGPS_DEVICE``, set by
             ``tagps cluster run``); the general-plan executor refuses a job whose ranks disagree with it.
+        heartbeat_interval: seconds between a worker's heartbeats to the others (``PS_HEARTBEAT_INTERVAL``,
+            default 1), through the rendezvous store.
+        heartbeat_timeout: seconds of silence after which a worker counts as dead and every wait of the
+            others raises naming it (``PS_HEARTBEAT_TIMEOUT``, default 10).
     """
 
     num_worker: int = 1
@@ -149,6 +153,8 @@ class CommConfig:
     pcie_switch_size: int = 0
     local_topology: tuple[tuple[int, ...], ...] | None = None
     device: str | None = None
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_id < self.num_worker:
@@ -190,6 +196,7 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
     ``BYTEPS_PCIE_SWITCH_SIZE``, ``TAGPS_LOCAL_TOPOLOGY``)."""
     root_port = _read(env, "DMLC_PS_ROOT_PORT", _int(1), None)
     default_dist_port = root_port + 1 if root_port is not None else None
+    interval, timeout = _heartbeat(env)
     return CommConfig(
         num_worker=_read(env, "DMLC_NUM_WORKER", _int(1), 1),
         worker_id=_read(env, "DMLC_WORKER_ID", _int(0), 0),
@@ -207,7 +214,20 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
         pcie_switch_size=_read(env, "BYTEPS_PCIE_SWITCH_SIZE", _int(0), 0),
         local_topology=_read(env, "TAGPS_LOCAL_TOPOLOGY", _topology, None),
         device=_read(env, "TAGPS_DEVICE", str.strip, None) or None,
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
     )
+
+
+def _heartbeat(env: Mapping[str, str]) -> tuple[float, float]:
+    """``PS_HEARTBEAT_INTERVAL`` and ``PS_HEARTBEAT_TIMEOUT`` (default the larger of 10 s and 3 intervals)."""
+    interval = _read(env, "PS_HEARTBEAT_INTERVAL", _float(0.0, strict=True), 1.0)
+    timeout = _read(env, "PS_HEARTBEAT_TIMEOUT", _float(0.0, strict=True), max(10.0, 3 * interval))
+    if timeout <= interval:
+        raise ConfigError(
+            f"PS_HEARTBEAT_TIMEOUT={timeout} is malformed: must exceed PS_HEARTBEAT_INTERVAL={interval}"
+        )
+    return interval, timeout
 
 
 def _float(minimum: float | None = None, strict: bool = False) -> Callable[[str], float]:
@@ -381,12 +401,7 @@ def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> P
         raise ConfigError(
             f"BYTEPS_LOCAL_RANK={local_rank} is malformed: must be < BYTEPS_LOCAL_SIZE={local_size}"
         )
-    interval = _read(env, "PS_HEARTBEAT_INTERVAL", _float(0.0, strict=True), 1.0)
-    timeout = _read(env, "PS_HEARTBEAT_TIMEOUT", _float(0.0, strict=True), max(10.0, 3 * interval))
-    if timeout <= interval:
-        raise ConfigError(
-            f"PS_HEARTBEAT_TIMEOUT={timeout} is malformed: must exceed PS_HEARTBEAT_INTERVAL={interval}"
-        )
+    interval, timeout = _heartbeat(env)
     trace_start = _read(env, "BYTEPS_TRACE_START_STEP", _int(0), 10)
     trace_end = _read(env, "BYTEPS_TRACE_END_STEP", _int(0), 20)
     if trace_end < trace_start:

@@ -7,22 +7,30 @@ process group, ranked machine-major as BytePS ranks them. The rendezvous is a ``
 On a host with CUDA the group has one backend per device type (``cpu:gloo,cuda:nccl``): CUDA tensors go
 through NCCL, CPU tensors (a metric, the layout checks) through gloo. :func:`bind_device` gives each local
 rank its own GPU, as NCCL requires.
+
+A peer that dies leaves the others stalled: only its direct neighbours in gloo's ring see a closed
+connection, the rest wait on live peers that gave up, until ``TAGPS_DIST_TIMEOUT``. So every rank of a
+multi-process group runs a :class:`PeerWatcher`, which names a dead rank within ``PS_HEARTBEAT_TIMEOUT``
+and makes every wait raise :class:`~tagps.comm.handle.PeerFailed` (see :func:`~tagps.comm.handle.wait_work`).
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import threading
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from tagps.comm.handle import CompletedWork, Waitable
+from tagps.comm.handle import CompletedWork, Waitable, clear_failure, failure, report_failure, wait_work
 from tagps.config import CommConfig, ConfigError
 
 __all__ = [
     "MIXED_BACKEND",
+    "PeerWatcher",
     "all_gather_rows_async",
     "all_gather_varlen",
     "all_gather_varlen_async",
@@ -39,6 +47,7 @@ __all__ = [
 ]
 
 _owned = False
+_watcher: PeerWatcher | None = None  # runs while the group init_process_group() created exists
 _bound: torch.device | None = None  # set by bind_device()
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 _MAX_DIMS = 9
@@ -135,7 +144,7 @@ def init_process_group(cfg: CommConfig) -> None:
         ConfigError: when no rendezvous port is known for a multi-process job.
         RuntimeError: when an existing process group disagrees with ``cfg`` about rank or size.
     """
-    global _owned
+    global _owned, _watcher
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (cfg.rank, cfg.size):
             raise RuntimeError(
@@ -157,6 +166,11 @@ def init_process_group(cfg: CommConfig) -> None:
         backend_for(cfg), store=store, rank=cfg.rank, world_size=cfg.size, timeout=timeout
     )
     _owned = True
+    if cfg.size == 1:
+        clear_failure()
+    else:
+        clear_failure(confirm_s=cfg.heartbeat_timeout + cfg.heartbeat_interval)
+        _watcher = PeerWatcher(cfg, _prefix())
 
 
 # One TCPStore per process and rendezvous address, kept across shutdown() and init(): rebinding the master's
@@ -177,22 +191,112 @@ def _rendezvous_store(cfg: CommConfig, timeout: datetime.timedelta) -> dist.Stor
             cfg.root_uri, cfg.dist_port, cfg.size, is_master=cfg.rank == 0, timeout=timeout
         )
     _generation += 1
-    return dist.PrefixStore(f"tagps/{_generation}/", store)
+    return dist.PrefixStore(_prefix(), store)
+
+
+def _prefix() -> str:
+    """The rendezvous store's key prefix of the current init()."""
+    return f"tagps/{_generation}/"
+
+
+class PeerWatcher:
+    """Name a dead worker process within ``PS_HEARTBEAT_TIMEOUT``, on every rank, gloo or not.
+
+    A daemon thread with its own client of the rendezvous store (a blocked store call of the main thread
+    must not delay it) adds 1 to this rank's counter ``<prefix>hb/<rank>`` every ``PS_HEARTBEAT_INTERVAL``
+    and reads every rank's counter in one request. A counter that has not moved for the timeout names its
+    rank; a store that cannot be reached names rank 0, which serves it. Either sets the failure flag of
+    :mod:`tagps.comm.handle`, and the thread ends.
+
+    Args:
+        cfg: the job layout and heartbeat settings.
+        prefix: this process group's key prefix in the store.
+    """
+
+    def __init__(self, cfg: CommConfig, prefix: str) -> None:
+        self._cfg = cfg
+        self._keys = [f"{prefix}hb/{r}" for r in range(cfg.size)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tagps-peer-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (the group is being left: peers that exit now are not failures)."""
+        self._stop.set()
+        self._thread.join(timeout=self._cfg.heartbeat_interval)
+
+    def _run(self) -> None:
+        cfg = self._cfg
+        try:
+            # A silent store answers within the heartbeat timeout or counts as dead.
+            store = dist.TCPStore(
+                cfg.root_uri, cfg.dist_port, is_master=False, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=cfg.heartbeat_timeout),
+            )  # fmt: skip
+            for key in self._keys:
+                store.add(key, 0)  # every counter exists, so multi_get never waits for one
+            last = [-1] * cfg.size
+            moved = [time.monotonic()] * cfg.size
+            while True:
+                store.add(self._keys[cfg.rank], 1)
+                counts = store.multi_get(self._keys)
+                now = time.monotonic()
+                for r, count in enumerate(counts):
+                    if int(count) != last[r]:
+                        last[r], moved[r] = int(count), now
+                dead = next((r for r in range(cfg.size) if now - moved[r] > cfg.heartbeat_timeout), None)
+                if dead is not None:
+                    report_failure(
+                        f"worker rank {dead} failed (sent no heartbeat for {now - moved[dead]:.0f} s, "
+                        f"PS_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g})"
+                    )
+                    return
+                if self._stop.wait(cfg.heartbeat_interval):
+                    return
+        except Exception as exc:  # the store's connection broke or timed out
+            if not self._stop.is_set():
+                report_failure(
+                    f"worker rank 0 failed (the rendezvous store it serves at {cfg.root_uri}:{cfg.dist_port} "
+                    f"is unreachable: {exc})"
+                )
 
 
 def shutdown_process_group() -> None:
     """Leave the process group, together with the other ranks, if :func:`init_process_group` created it."""
-    global _owned, _bound
+    global _owned, _bound, _watcher
     _bound = None
     if _owned and dist.is_initialized():
         # Leave together: a gloo rank that tears down its pairs and store while a peer is still closing
         # makes that peer abort in std::terminate (exit 134; 2 of 8 two-worker runs of
-        # examples/train_synthetic.py before this barrier, 0 of 12 after). Bounded by TAGPS_DIST_TIMEOUT.
+        # examples/train_synthetic.py before this barrier, 0 of 12 after). Bounded by TAGPS_DIST_TIMEOUT,
+        # and skipped once a peer is known dead: it could only wait for that timeout.
         try:
-            dist.barrier()
+            if failure() is None:
+                wait_work(dist.barrier(async_op=True))
         finally:
-            dist.destroy_process_group()
+            if _watcher is not None:
+                _watcher.stop()
+                _watcher = None
+            _destroy_process_group()
     _owned = False
+
+
+def _destroy_process_group() -> None:
+    """Destroy the default group; after a failure, without waiting for its stuck transfers.
+
+    The group's destructor joins gloo's worker threads, and one blocked on a hung peer returns only at
+    ``TAGPS_DIST_TIMEOUT``. After a failure the last reference is therefore dropped on a daemon thread,
+    which the process's exit does not wait for once the destructor took more than a second.
+    """
+    if failure() is None:
+        dist.destroy_process_group()
+        return
+    box = [dist.group.WORLD]
+    dist.destroy_process_group()
+    dropper = threading.Thread(target=box.clear, name="tagps-drop-failed-group", daemon=True)
+    dropper.start()
+    # An exit while the destructor stops its threads aborts in std::terminate: let a prompt one finish.
+    dropper.join(timeout=1.0)
 
 
 def all_reduce_async(
@@ -259,7 +363,7 @@ def _layouts(tensor: torch.Tensor, group: object | None, extra: tuple[int, ...] 
     width = 3 + len(extra) + _MAX_DIMS - 1
     mine = torch.tensor(meta + [-1] * (width - len(meta)), dtype=torch.int64, device=tensor.device)
     metas = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(metas, mine, group=group)
+    wait_work(dist.all_gather(metas, mine, group=group, async_op=True))
     return [m.tolist() for m in metas]
 
 
@@ -342,7 +446,7 @@ def all_to_all_rows_async(
     mine = [_DTYPE_CODES.index(tensor.dtype), row]
     send = torch.tensor([[s, *mine] for s in splits], dtype=torch.int64, device=tensor.device)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    wait_work(dist.all_to_all_single(recv, send, group=group, async_op=True))
     theirs = recv.tolist()
     differing = [j for j, m in enumerate(theirs) if m[1:] != mine]
     if differing:

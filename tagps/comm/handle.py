@@ -1,4 +1,9 @@
-"""One in-flight synchronisation: what every communication method hands back."""
+"""One in-flight synchronisation: what every communication method hands back.
+
+Also the process-wide failure flag: when a peer process of the job stops sending heartbeats (see
+:class:`tagps.comm.collectives.PeerWatcher`), every wait raises :class:`PeerFailed` naming it within 0.1 s
+instead of blocking until ``TAGPS_DIST_TIMEOUT``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,84 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["CompletedWork", "Handle", "Waitable"]
+__all__ = [
+    "CompletedWork",
+    "Handle",
+    "PeerFailed",
+    "Waitable",
+    "clear_failure",
+    "failure",
+    "raise_if_failed",
+    "report_failure",
+    "wait_work",
+]
+
+# How often a blocked wait looks at the failure flag: short enough to raise promptly, long enough to cost
+# nothing next to a collective.
+WAIT_SLICE_S = 0.1
+
+
+class PeerFailed(RuntimeError):
+    """A process of the job died (killed, hung, partitioned); the message names it.
+
+    A ``RuntimeError``, so that the torch adapter reports it as ``HorovodInternalError``.
+    """
+
+
+_failed = threading.Event()
+_failure: str | None = None
+_confirm_s = 0.0  # how long a failed transfer waits for the watcher to name the peer (0: no watcher)
+
+
+def report_failure(message: str) -> None:
+    """Set the failure flag (the first report wins): every wait of this process raises with ``message``."""
+    global _failure
+    if _failure is None:
+        _failure = message
+        _failed.set()
+
+
+def clear_failure(confirm_s: float = 0.0) -> None:
+    """Reset the flag for a new process group, whose watcher names a dead peer within ``confirm_s``."""
+    global _failure, _confirm_s
+    _failure = None
+    _confirm_s = confirm_s
+    _failed.clear()
+
+
+def failure() -> str | None:
+    """The reported failure's message, or ``None``."""
+    return _failure
+
+
+def raise_if_failed() -> None:
+    """Raise the reported failure, if any."""
+    if _failure is not None:
+        raise PeerFailed(_failure)
+
+
+def wait_work(work: Waitable) -> object:
+    """Wait for ``work``; raise :class:`PeerFailed` as soon as a failure is reported.
+
+    A ``torch.distributed`` work is waited for in :data:`WAIT_SLICE_S` slices; other waitables (handles,
+    PS and local-reduction futures) watch the flag themselves. When the transfer itself fails (the dead
+    peer's neighbours see its connection close before its heartbeats stop), the error is held for up to the
+    heartbeat timeout so that it names the dead peer as it does on the other ranks.
+    """
+    get_future = getattr(work, "get_future", None)
+    if get_future is not None and not work.is_completed():
+        done = threading.Event()
+        get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(WAIT_SLICE_S):
+            raise_if_failed()
+    try:
+        return work.wait()
+    except PeerFailed:
+        raise
+    except RuntimeError as exc:
+        if get_future is not None and _failed.wait(_confirm_s):
+            raise PeerFailed(f"{_failure} ({exc})") from exc
+        raise
 
 
 class Waitable(Protocol):
@@ -56,7 +138,7 @@ class Handle:
         with self._lock:
             if self._finish is not None:
                 for work in self._works:
-                    work.wait()
+                    wait_work(work)
                 self._result = self._finish()
                 self._finish = None
                 self._works = []

@@ -33,6 +33,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ import torch.distributed as dist
 import zmq
 
 from tagps import kernels
-from tagps.comm.handle import Waitable
+from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
 
@@ -63,7 +64,8 @@ def shard_bounds(count: int, parts: int, index: int, align: int = 16) -> tuple[i
 
 
 class ReductionFuture:
-    """Completion of one tensor's reduction; ``wait()`` raises what failed, or after ``timeout``."""
+    """Completion of one tensor's reduction; ``wait()`` raises what failed, or after ``timeout``, or
+    :class:`~tagps.comm.handle.PeerFailed` as soon as a peer process is known dead."""
 
     def __init__(self, name: str, timeout: float) -> None:
         self._name = name
@@ -79,11 +81,14 @@ class ReductionFuture:
         return self._event.is_set()
 
     def wait(self) -> None:
-        if not self._event.wait(self._timeout):
-            raise RuntimeError(
-                f"reduction of {self._name!r} did not finish within {self._timeout:.0f} s "
-                "(TAGPS_DIST_TIMEOUT); did another local rank exit or skip it?"
-            )
+        deadline = time.monotonic() + self._timeout
+        while not self._event.wait(WAIT_SLICE_S):
+            raise_if_failed()
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"reduction of {self._name!r} did not finish within {self._timeout:.0f} s "
+                    "(TAGPS_DIST_TIMEOUT); did another local rank exit or skip it?"
+                )
         if self._error is not None:
             raise RuntimeError(f"reduction of {self._name!r} failed: {self._error}") from self._error
 

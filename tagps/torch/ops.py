@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tagps.comm import collectives
-from tagps.comm.handle import Handle, Waitable
+from tagps.comm.handle import Handle, Waitable, failure
 from tagps.config import CommConfig, comm_config
 from tagps.torch.compression import Compressor, NoneCompressor
 
@@ -71,12 +71,18 @@ def init() -> State:
 
 
 def shutdown() -> None:
-    """Wait for outstanding handles, stop the PS service and leave the process group."""
+    """Wait for outstanding handles, stop the PS service and leave the process group.
+
+    Once a peer is known dead (:func:`tagps.comm.handle.failure`), outstanding handles are not waited for:
+    they could only fail.
+    """
     global _state
     if _state is None:
         return
     try:
         for handle in list(_state.handles):
+            if failure() is not None:
+                break
             handle.wait()
         if _state.ps is not None:
             _state.ps.close()

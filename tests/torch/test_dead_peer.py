@@ -1,0 +1,123 @@
+"""A worker killed with SIGKILL, or stopped, is named on every other rank within ``PS_HEARTBEAT_TIMEOUT``.
+
+The three workers are started directly, as three machines would start them: ``bpslaunch --local`` stops the
+whole job at the first exit, so under it the survivors would never show what they do on their own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tagps.launcher import free_ports
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = 3
+HEARTBEAT_TIMEOUT = 3.0
+HEARTBEAT_INTERVAL = 0.5
+DIST_TIMEOUT = 60
+
+# argv: steps, the step at which rank 2 sends itself a signal (-1: never), a file where it writes the time it
+# did, the step at which rank 1 computes for twice the heartbeat timeout (-1: never), the signal's name.
+WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    import torch
+    import tagps.torch as bps
+
+    steps, kill_at, died, slow_at = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+    sig = getattr(signal, sys.argv[5])
+    bps.init()
+    expected = sum(range(1, bps.size() + 1))
+    try:
+        for step in range(steps):
+            if bps.rank() == 2 and step == kill_at:
+                died.write_text(repr(time.time()))
+                os.kill(os.getpid(), sig)
+            if bps.rank() == 1 and step == slow_at:
+                time.sleep(2 * float(os.environ["PS_HEARTBEAT_TIMEOUT"]))
+            out = bps.allreduce(torch.full((4096,), float(bps.rank() + 1)), average=False, name="x")
+            if float(out[0]) != expected:
+                raise SystemExit(f"step {step}: {float(out[0])} != {expected}")
+    except RuntimeError as exc:  # HorovodInternalError from a wait, PeerFailed from a layout check
+        print(f"raised at {time.time()!r}: {type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(3)
+    print(f"done {steps}", flush=True)
+    """
+)
+
+
+def _start(
+    script: Path, steps: int, kill_at: int, died: Path, slow_at: int = -1, sig: str = "SIGKILL"
+) -> list[subprocess.Popen[str]]:
+    """Start the workers, each as its own machine, on a fresh rendezvous port."""
+    port = free_ports(1)[0]
+    procs = []
+    for rank in range(WORKERS):
+        env = {
+            **os.environ,
+            "DMLC_NUM_WORKER": str(WORKERS), "DMLC_WORKER_ID": str(rank), "DMLC_NUM_SERVER": "0",
+            "DMLC_PS_ROOT_URI": "127.0.0.1", "TAGPS_DIST_PORT": str(port),
+            "TAGPS_DIST_TIMEOUT": str(DIST_TIMEOUT),
+            "PS_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL), "PS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
+        }  # fmt: skip
+        cmd = [sys.executable, str(script), str(steps), str(kill_at), str(died), str(slow_at), sig]
+        pipe, merged = subprocess.PIPE, subprocess.STDOUT
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=pipe, stderr=merged, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, float]]:
+    """Each process's exit status, output and the time it was seen to exit; kills stragglers."""
+    results = []
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        results.append((proc.returncode, out, time.time()))
+    return results
+
+
+# SIGKILL: rank 2's gloo neighbours see its connections close, and wait for the watcher to name it.
+# SIGSTOP: its connections stay open, so only the heartbeats can end the survivors' waits.
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_worker_is_named_on_every_rank_within_the_heartbeat_timeout(tmp_path: Path, sig: str) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    died = tmp_path / "died"
+    procs = _start(script, 100_000, 30, died, sig=sig)
+    results = _finish(procs[:2], timeout=DIST_TIMEOUT)
+    procs[2].kill()  # the stopped one
+    assert _finish(procs[2:], timeout=10)[0][0] == -9
+    killed_at = float(died.read_text())
+    # Detection takes at most the timeout plus one interval; the rest is slack for a loaded machine.
+    bound = HEARTBEAT_TIMEOUT + HEARTBEAT_INTERVAL + 3.0
+    for rank in (0, 1):
+        status, out, exited_at = results[rank]
+        assert status == 3, f"rank {rank} ({status}):\n{out[-3000:]}"
+        match = re.search(r"raised at ([0-9.]+): (.*)", out)
+        assert match, out[-3000:]
+        assert "worker rank 2 failed" in match[2], match[2]
+        assert float(match[1]) - killed_at < bound, (rank, float(match[1]) - killed_at, match[2])
+        # Leaving the dead group waits for neither the handles nor a barrier (TAGPS_DIST_TIMEOUT=60).
+        assert exited_at - killed_at < bound + 5.0, (rank, exited_at - killed_at, out[-3000:])
+
+
+def test_no_false_alarm_when_a_rank_is_merely_late(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    # Rank 1 computes for twice the heartbeat timeout at step 100: its watcher thread beats meanwhile.
+    results = _finish(_start(script, 200, -1, tmp_path / "died", slow_at=100), timeout=120)
+    for rank, (status, out, _) in enumerate(results):
+        assert status == 0 and "done 200" in out, f"rank {rank} ({status}):\n{out[-3000:]}"
