@@ -109,8 +109,9 @@ def ddp_subset_plans(sim: Simulator, batch: int, optimizer: str = "adam") -> lis
     from tagps.strategy.baselines import data_parallel_plan
 
     plans = []
-    for size in range(1, len(sim.dgroups) + 1):
-        for subset in itertools.combinations(sim.dgroups, size):
+    workers = [g for g in sim.dgroups if g.count > 0]  # server-only machines train nothing
+    for size in range(1, len(workers) + 1):
+        for subset in itertools.combinations(workers, size):
             devices = [d for g in subset for d in g.devices()]
             if batch % len(devices) == 0:
                 shares = {d: batch // len(devices) for d in devices}

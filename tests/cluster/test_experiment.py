@@ -92,3 +92,9 @@ def test_plans_train_on_the_same_global_batch() -> None:
     tagps = run_plan(Executor(local), "mlp-mini", uneven, steps=2, warmup=1)
     assert tagps["losses"][-1] < tagps["losses"][0]
     assert tagps["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
+
+
+def test_ddp_subset_plans_leave_server_only_machines_out() -> None:
+    groups = (DeviceGroup("a", "CPU", 2, 10.0), DeviceGroup("spare", "CPU", 0, 10.0))
+    sim = Simulator.for_model("transformer-mini", Topology("spare", groups, 1.0), groups=4)
+    assert [p.devices() for p in ddp_subset_plans(sim, 4)] == [["a:0", "a:1"]]
