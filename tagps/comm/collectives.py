@@ -208,6 +208,11 @@ class PeerWatcher:
     rank; a store that cannot be reached names rank 0, which serves it. Either sets the failure flag of
     :mod:`tagps.comm.handle`, and the thread ends.
 
+    The first rank to name a dead one writes the verdict to the store (``<prefix>failed``), and the others
+    take it from there within an interval, so that every rank names the same one. Rank 0 keeps serving the
+    store until the other live ranks have read it (``<prefix>failed-seen``), at most the heartbeat timeout:
+    were it to exit at once, they would find the store gone and name rank 0.
+
     Args:
         cfg: the job layout and heartbeat settings.
         prefix: this process group's key prefix in the store.
@@ -216,14 +221,17 @@ class PeerWatcher:
     def __init__(self, cfg: CommConfig, prefix: str) -> None:
         self._cfg = cfg
         self._keys = [f"{prefix}hb/{r}" for r in range(cfg.size)]
+        self._verdict = f"{prefix}failed"
+        self._seen = f"{prefix}failed-seen"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tagps-peer-watcher", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop watching (the group is being left: peers that exit now are not failures)."""
+        """Stop watching (the group is being left: peers that exit now are not failures); on rank 0 after a
+        failure, once the other ranks have read the verdict."""
         self._stop.set()
-        self._thread.join(timeout=self._cfg.heartbeat_interval)
+        self._thread.join(timeout=self._cfg.heartbeat_timeout + self._cfg.heartbeat_interval)
 
     def _run(self) -> None:
         cfg = self._cfg
@@ -233,23 +241,31 @@ class PeerWatcher:
                 cfg.root_uri, cfg.dist_port, is_master=False, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=cfg.heartbeat_timeout),
             )  # fmt: skip
+            # Every key exists, so multi_get never waits for one.
             for key in self._keys:
-                store.add(key, 0)  # every counter exists, so multi_get never waits for one
+                store.add(key, 0)
+            store.compare_set(self._verdict, "", "")
             last = [-1] * cfg.size
             moved = [time.monotonic()] * cfg.size
             while True:
                 store.add(self._keys[cfg.rank], 1)
-                counts = store.multi_get(self._keys)
+                *counts, verdict = store.multi_get([*self._keys, self._verdict])
                 now = time.monotonic()
                 for r, count in enumerate(counts):
                     if int(count) != last[r]:
                         last[r], moved[r] = int(count), now
                 dead = next((r for r in range(cfg.size) if now - moved[r] > cfg.heartbeat_timeout), None)
-                if dead is not None:
-                    report_failure(
+                if dead is not None and not verdict:
+                    verdict = store.compare_set(
+                        self._verdict, "",
                         f"worker rank {dead} failed (sent no heartbeat for {now - moved[dead]:.0f} s, "
-                        f"PS_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g})"
-                    )
+                        f"PS_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g})",
+                    )  # fmt: skip
+                if verdict:
+                    report_failure(verdict.decode())
+                    store.add(self._seen, 1)
+                    if cfg.rank == 0:
+                        self._serve_until_seen(store)
                     return
                 if self._stop.wait(cfg.heartbeat_interval):
                     return
@@ -259,6 +275,13 @@ class PeerWatcher:
                     f"worker rank 0 failed (the rendezvous store it serves at {cfg.root_uri}:{cfg.dist_port} "
                     f"is unreachable: {exc})"
                 )
+
+
+    def _serve_until_seen(self, store: dist.TCPStore) -> None:
+        """Return once every rank but the dead one has read the verdict, or after the heartbeat timeout."""
+        deadline = time.monotonic() + self._cfg.heartbeat_timeout
+        while store.add(self._seen, 0) < self._cfg.size - 1 and time.monotonic() < deadline:
+            time.sleep(self._cfg.heartbeat_interval / 10)
 
 
 def shutdown_process_group() -> None:

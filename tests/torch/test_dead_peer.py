@@ -24,8 +24,9 @@ HEARTBEAT_TIMEOUT = 3.0
 HEARTBEAT_INTERVAL = 0.5
 DIST_TIMEOUT = 60
 
-# argv: steps, the step at which rank 2 sends itself a signal (-1: never), a file where it writes the time it
-# did, the step at which rank 1 computes for twice the heartbeat timeout (-1: never), the signal's name.
+# argv: steps, the step at which the victim sends itself a signal (-1: never), a file where it writes the time
+# it did, the step at which rank 1 computes for twice the heartbeat timeout (-1: never), the signal's name,
+# the victim's rank.
 WORKER = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -34,12 +35,12 @@ WORKER = textwrap.dedent(
     import tagps.torch as bps
 
     steps, kill_at, died, slow_at = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-    sig = getattr(signal, sys.argv[5])
+    sig, victim = getattr(signal, sys.argv[5]), int(sys.argv[6])
     bps.init()
     expected = sum(range(1, bps.size() + 1))
     try:
         for step in range(steps):
-            if bps.rank() == 2 and step == kill_at:
+            if bps.rank() == victim and step == kill_at:
                 died.write_text(repr(time.time()))
                 os.kill(os.getpid(), sig)
             if bps.rank() == 1 and step == slow_at:
@@ -56,8 +57,9 @@ WORKER = textwrap.dedent(
 
 
 def _start(
-    script: Path, steps: int, kill_at: int, died: Path, slow_at: int = -1, sig: str = "SIGKILL"
-) -> list[subprocess.Popen[str]]:
+    script: Path, steps: int, kill_at: int, died: Path, *, slow_at: int = -1, sig: str = "SIGKILL",
+    victim: int = 2,
+) -> list[subprocess.Popen[str]]:  # fmt: skip
     """Start the workers, each as its own machine, on a fresh rendezvous port."""
     port = free_ports(1)[0]
     procs = []
@@ -69,7 +71,8 @@ def _start(
             "TAGPS_DIST_TIMEOUT": str(DIST_TIMEOUT),
             "PS_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL), "PS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
         }  # fmt: skip
-        cmd = [sys.executable, str(script), str(steps), str(kill_at), str(died), str(slow_at), sig]
+        args = (steps, kill_at, died, slow_at, sig, victim)
+        cmd = [sys.executable, str(script), *map(str, args)]
         pipe, merged = subprocess.PIPE, subprocess.STDOUT
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=pipe, stderr=merged, text=True))
     return procs
@@ -89,26 +92,30 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[in
     return results
 
 
-# SIGKILL: rank 2's gloo neighbours see its connections close, and wait for the watcher to name it.
+# SIGKILL: the victim's gloo neighbours see its connections close, and wait for the watcher to name it.
 # SIGSTOP: its connections stay open, so only the heartbeats can end the survivors' waits.
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
-def test_a_dead_worker_is_named_on_every_rank_within_the_heartbeat_timeout(tmp_path: Path, sig: str) -> None:
+# Rank 0 serves the rendezvous store: its death is seen as the store's.
+@pytest.mark.parametrize(("victim", "sig"), [(2, "SIGKILL"), (2, "SIGSTOP"), (0, "SIGKILL")])
+def test_a_dead_worker_is_named_on_every_rank_within_the_heartbeat_timeout(
+    tmp_path: Path, victim: int, sig: str
+) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     died = tmp_path / "died"
-    procs = _start(script, 100_000, 30, died, sig=sig)
-    results = _finish(procs[:2], timeout=DIST_TIMEOUT)
-    procs[2].kill()  # the stopped one
-    assert _finish(procs[2:], timeout=10)[0][0] == -9
+    procs = _start(script, 100_000, 30, died, sig=sig, victim=victim)
+    survivors = [r for r in range(WORKERS) if r != victim]
+    results = dict(zip(survivors, _finish([procs[r] for r in survivors], timeout=DIST_TIMEOUT), strict=True))
+    procs[victim].kill()  # when it is only stopped
+    assert _finish([procs[victim]], timeout=10)[0][0] == -9
     killed_at = float(died.read_text())
     # Detection takes at most the timeout plus one interval; the rest is slack for a loaded machine.
     bound = HEARTBEAT_TIMEOUT + HEARTBEAT_INTERVAL + 3.0
-    for rank in (0, 1):
+    for rank in survivors:
         status, out, exited_at = results[rank]
         assert status == 3, f"rank {rank} ({status}):\n{out[-3000:]}"
         match = re.search(r"raised at ([0-9.]+): (.*)", out)
         assert match, out[-3000:]
-        assert "worker rank 2 failed" in match[2], match[2]
+        assert f"worker rank {victim} failed" in match[2], match[2]
         assert float(match[1]) - killed_at < bound, (rank, float(match[1]) - killed_at, match[2])
         # Leaving the dead group waits for neither the handles nor a barrier (TAGPS_DIST_TIMEOUT=60).
         assert exited_at - killed_at < bound + 5.0, (rank, exited_at - killed_at, out[-3000:])
