@@ -564,14 +564,10 @@ def _worker() -> None:
 def job_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, str]]]:
     import torch_jobs
 
-    patch = pytest.MonkeyPatch()
-    patch.setattr(torch_jobs, "WORKER", Path(__file__))
-    try:
-        yield torch_jobs.run_job(
-            tmp_path_factory.mktemp("horovod"), list(CHECKS), workers=WORKERS, timeout=400.0
-        )  # type: ignore[arg-type]
-    finally:
-        patch.undo()
+    tmp = tmp_path_factory.mktemp("horovod")
+    yield torch_jobs.run_job(
+        tmp, list(CHECKS), workers=WORKERS, timeout=400.0, worker=Path(__file__)
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
