@@ -200,11 +200,9 @@ def gpu_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if job not in done:
             layout, env, cases = JOBS[job]
             # The shared launcher helper, with this file as the worker.
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(torch_jobs, "WORKER", Path(__file__))
-                done[job] = torch_jobs.run_job(
-                    tmp_path_factory.mktemp(job), cases, env=env, timeout=240, **layout
-                )
+            done[job] = torch_jobs.run_job(
+                tmp_path_factory.mktemp(job), cases, env=env, timeout=240, worker=Path(__file__), **layout
+            )
         return done[job]
 
     return {"run": run}
