@@ -2,14 +2,58 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
-__all__ = ["fusion_units", "numel"]
+from tagps.comm.handle import Handle
+
+__all__ = ["fused_sum", "fusion_units", "numel", "unit_key"]
 
 
 def numel(unit: list[nn.Parameter]) -> int:
     """Elements of all the parameters of a bucket."""
     return sum(p.numel() for p in unit)
+
+
+def unit_key(unit: list[nn.Parameter], keys: dict[nn.Parameter, str]) -> str:
+    """PS key of a bucket: its first parameter's, with the count of the others."""
+    return keys[unit[0]] if len(unit) == 1 else f"{keys[unit[0]]}+{len(unit) - 1}"
+
+
+def fused_sum(
+    unit: list[nn.Parameter],
+    flats: dict[int, torch.Tensor],
+    index: int,
+    scale: float,
+    start: Callable[[torch.Tensor], Handle],
+) -> Handle:
+    """Sum the gradients of bucket ``unit`` as one flat buffer, kept in ``flats[index]`` between steps.
+
+    The gradients (zeros for a parameter without one) are packed times ``scale`` (one pass: the batch
+    weight is applied on the way in), ``start(flat)`` starts the in-place sum, and the returned handle's
+    ``wait()`` unpacks the result into every parameter's ``grad``.
+    """
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in unit]
+    flat = flats.get(index)
+    if flat is None:
+        flat = flats[index] = torch.empty(numel(unit), dtype=grads[0].dtype, device=grads[0].device)
+    offset = 0
+    for g in grads:
+        torch.mul(g.reshape(-1), scale, out=flat[offset : offset + g.numel()])
+        offset += g.numel()
+    inner = start(flat)
+
+    def finish() -> torch.Tensor:
+        offset = 0
+        for p, g in zip(unit, grads, strict=True):
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+            p.grad = g
+        return flat
+
+    return Handle([inner], finish, keep=(flat,))
 
 
 def fusion_units(

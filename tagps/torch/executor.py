@@ -39,7 +39,7 @@ from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.config import CommConfig
 from tagps.strategy.plan import Plan, PlanError, load
 from tagps.torch import ops
-from tagps.torch.buckets import fusion_units, numel
+from tagps.torch.buckets import fused_sum, fusion_units, numel, unit_key
 from tagps.torch.layout import Stage, plan_stages
 
 __all__ = ["DistributedModel", "distribute"]
@@ -99,11 +99,6 @@ class _StageSync:
     sfb: dict[nn.Parameter, str]
 
 
-def _unit_key(unit: list[nn.Parameter], keys: dict[nn.Parameter, str]) -> str:
-    """PS key of a bucket: its first parameter's, with the count of the others."""
-    return keys[unit[0]] if len(unit) == 1 else f"{keys[unit[0]]}+{len(unit) - 1}"
-
-
 class _Bucketer:
     """Gradient sync of one replicated stage: fixed-order buckets launched as their gradients arrive.
 
@@ -154,7 +149,7 @@ class _Bucketer:
 
     def _sum(self, tensor: torch.Tensor, unit: list[nn.Parameter]) -> Handle:
         """Start summing ``tensor`` (the gradient of ``unit``) in place over the replicas."""
-        method, key = self.method[unit[0]], _unit_key(unit, self.keys)
+        method, key = self.method[unit[0]], unit_key(unit, self.keys)
         priority = max(self.priority[p] for p in unit)
         if method == "ps":
             return Handle([self.ps.push_pull_async(key, tensor, priority)], lambda: tensor, keep=(tensor,))
@@ -166,27 +161,12 @@ class _Bucketer:
             assert self.sfb is not None
             p = unit[0]
             return self.sfb.start(p, 1.0, backward_ran=p.grad is not None, group=self.group)
-        for p in unit:
+        if len(unit) == 1:
+            p = unit[0]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if len(unit) == 1:
-            return self._sum(unit[0].grad, unit)  # type: ignore[arg-type]
-        flat = self.flat.get(index)
-        if flat is None:
-            flat = self.flat[index] = torch.empty(numel(unit), dtype=unit[0].dtype)
-        torch.cat([p.grad.reshape(-1) for p in unit], out=flat)  # type: ignore[union-attr]
-        inner = self._sum(flat, unit)
-
-        def finish() -> torch.Tensor:
-            offset = 0
-            for p in unit:
-                g = p.grad
-                assert g is not None
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            return flat
-
-        return Handle([inner], finish, keep=(flat,))
+            return self._sum(p.grad, unit)
+        return fused_sum(unit, self.flat, index, 1.0, lambda flat: self._sum(flat, unit))
 
 
 class DistributedModel(nn.Module):
@@ -401,7 +381,7 @@ class DistributedModel(nn.Module):
             ps_units = [u for u in sync.units if sync.method[u[0]] == "ps"]
             if ps_units:
                 summers[sync.stage].declare(
-                    [(_unit_key(u, sync.keys), torch.empty(numel(u), dtype=u[0].dtype)) for u in ps_units]
+                    [(unit_key(u, sync.keys), torch.empty(numel(u), dtype=u[0].dtype)) for u in ps_units]
                 )
             ranks = tuple(sorted(self._rank_of[d] for d in self.stages[sync.stage].devices))
             bucketer = _Bucketer(

@@ -29,7 +29,7 @@ from torch import nn
 from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.torch import ops, timeline
-from tagps.torch.buckets import fusion_units, numel
+from tagps.torch.buckets import fused_sum, fusion_units, numel, unit_key
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 from tagps.torch.strategy import resolve_strategy
@@ -159,7 +159,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # unsupported dtype fails before training and no step pays for the registration.
             st.ps_service().declare(
                 [
-                    (self._unit_key(u), compression.compress(torch.empty(numel(u), dtype=u[0].dtype))[0])
+                    (
+                        unit_key(u, self._keys),
+                        compression.compress(torch.empty(numel(u), dtype=u[0].dtype))[0],
+                    )
                     for u in ps_units
                 ]
             )
@@ -276,50 +279,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._overlap:
                 self._drain()
 
-    def _unit_key(self, unit: list[nn.Parameter]) -> str:
-        """The PS key of a launch unit: its first parameter's, with the count of the others."""
-        return self._keys[unit[0]] if len(unit) == 1 else f"{self._keys[unit[0]]}+{len(unit) - 1}"
-
     def _drain(self) -> None:
         """Start, in the fixed order, every unit whose gradients are all ready."""
         while self._next < len(self._units) and all(p in self._ready for p in self._units[self._next]):
             unit = self._units[self._next]
             handle = self._launch(unit[0]) if len(unit) == 1 else self._launch_fused(self._next, unit)
-            handle = timeline.traced(handle, self._method[unit[0]].upper(), self._unit_key(unit))
+            handle = timeline.traced(handle, self._method[unit[0]].upper(), unit_key(unit, self._keys))
             for p in unit:
                 self._handles[p] = handle
             self._next += 1
 
     def _launch_fused(self, index: int, unit: list[nn.Parameter]) -> Handle:
         """Sum the gradients of ``unit`` as one flat buffer (kept between steps)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in unit]
-        flat = self._flat.get(index)
-        if flat is None:
-            flat = torch.empty(numel(unit), dtype=grads[0].dtype, device=grads[0].device)
-            self._flat[index] = flat
-        offset = 0
-        for g in grads:  # the batch weight is applied on the way in: one pass over the gradients
-            torch.mul(g.reshape(-1), self._prescale, out=flat[offset : offset + g.numel()])
-            offset += g.numel()
-        inner = ops.start_sum(
-            flat,
-            method=self._method[unit[0]],
-            name=self._unit_key(unit),
-            priority=max(self._priority[p] for p in unit),
-            compression=self._compression,
-            postscale=self._postscale,
-            group=self._group,
+        return fused_sum(
+            unit,
+            self._flat,
+            index,
+            self._prescale,
+            lambda flat: ops.start_sum(
+                flat,
+                method=self._method[unit[0]],
+                name=unit_key(unit, self._keys),
+                priority=max(self._priority[p] for p in unit),
+                compression=self._compression,
+                postscale=self._postscale,
+                group=self._group,
+            ),
         )
-
-        def finish() -> torch.Tensor:
-            offset = 0
-            for p, g in zip(unit, grads, strict=True):
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-                p.grad = g
-            return flat
-
-        return Handle([inner], finish, keep=(flat,))
 
     def _launch(self, p: nn.Parameter) -> Handle:
         method = self._method[p]
