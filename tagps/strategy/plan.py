@@ -154,17 +154,20 @@ class Plan:
         ``duplicate`` runs on every device of its placement; ``mp`` on the devices of its parts. For a
         data-parallel plan this equals :meth:`devices`.
         """
-        used: set[str] = set()
-        for g in self.groups:
-            if g.option == "mp":
-                used.update(dev for dev, _ in g.mp_parts)
-                continue
-            for dg in g.placement:
-                for k in range(self.topology.group(dg).count):
-                    dev = f"{dg}:{k}"
-                    if g.option == "duplicate" or self.batch_shares.get(dev, 0) > 0:
-                        used.add(dev)
+        used = {d for i in range(len(self.groups)) for d in self.group_devices(i)}
         return [d for d in self.topology.devices() if d in used]
+
+    def group_devices(self, index: int) -> list[str]:
+        """Devices that run op group ``index``: for ``allreduce``/``ps`` the placement's devices with a batch
+        share, for ``duplicate`` every device of the placement (both in topology order), for ``mp`` the
+        devices of its parts (in part order)."""
+        g = self.groups[index]
+        if g.option == "mp":
+            return [dev for dev, _ in g.mp_parts]
+        placed = [d for d in self.topology.devices() if d.split(":", 1)[0] in g.placement]
+        if g.option == "duplicate":
+            return placed
+        return [d for d in placed if self.batch_shares.get(d, 0) > 0]
 
     def sync_of(self, param: str) -> str:
         """Sync method of parameter ``param``; KeyError naming it when the plan does not have it."""

@@ -66,11 +66,10 @@ def plan_stages(plan: Plan) -> list[Stage]:
     Raises:
         PlanError: an ``mp`` op group without ``mp_parts`` (from a search that did not record its split).
     """
-    order = plan.topology.devices()
     batch = plan.batch_size
     stages: list[Stage] = []
     for i, g in enumerate(plan.groups):
-        placed = [d for d in order if d.split(":", 1)[0] in g.placement]
+        placed = plan.group_devices(i)
         if g.option == "mp":
             if not g.mp_parts:
                 raise PlanError(
@@ -81,9 +80,8 @@ def plan_stages(plan: Plan) -> list[Stage]:
         elif g.option == "duplicate":
             pieces = [(tuple(placed), tuple((0, batch) for _ in placed), g.ops)]
         else:
-            devices = [d for d in placed if plan.batch_shares.get(d, 0) > 0]
-            rows = split_rows(batch, [plan.batch_shares[d] for d in devices])
-            pieces = [(tuple(devices), tuple(rows), g.ops)]
+            rows = split_rows(batch, [plan.batch_shares[d] for d in placed])
+            pieces = [(tuple(placed), tuple(rows), g.ops)]
         for devices, rows, ops in pieces:
             last = stages[-1] if stages else None
             if last is not None and last.devices == devices and last.rows == rows:
