@@ -145,19 +145,9 @@ def _plans(
     return plans, predictions
 
 
-def _layout(plan: Any) -> str:
-    """Op groups as ``option@placement``, runs of equal ones counted: ``ps@m1 x6, allreduce@m0+m2``."""
-    runs: list[list[Any]] = []
-    for g in plan.groups:
-        text = f"{g.option}@{'+'.join(g.placement)}"
-        if runs and runs[-1][0] == text:
-            runs[-1][1] += 1
-        else:
-            runs.append([text, 1])
-    return ", ".join(text if n == 1 else f"{text} x{n}" for text, n in runs)
-
-
 def _describe(plan: Any) -> dict[str, Any]:
+    from tagps.cluster.experiment import plan_layout
+
     syncs: dict[str, int] = {}
     for g in plan.gradients.values():
         syncs[g.sync] = syncs.get(g.sync, 0) + 1
@@ -166,7 +156,7 @@ def _describe(plan: Any) -> dict[str, Any]:
         "kind": plan.kind,
         "devices": devices,
         "shares": [plan.batch_shares.get(d, 0) for d in devices],
-        "layout": _layout(plan),
+        "layout": plan_layout(plan),
         "syncs": syncs,
         "ps_servers": list(plan.ps_servers),
     }

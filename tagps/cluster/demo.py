@@ -59,14 +59,9 @@ def _describe(plan: Any) -> str:
     """Devices and shares, then the sync methods (data-parallel) or the op groups' layouts (general)."""
     shares = ",".join(str(plan.batch_shares.get(d, 0)) for d in plan.worker_devices())
     if plan.kind == "general":
-        runs: list[list[Any]] = []  # consecutive op groups with the same placement and option
-        for g in plan.groups:
-            key = f"{'+'.join(g.placement)}/{g.option}"
-            if runs and runs[-1][0] == key:
-                runs[-1][1] += 1
-            else:
-                runs.append([key, 1])
-        return f"{len(plan.worker_devices())} dev [{shares}] " + " ".join(f"{k}x{n}" for k, n in runs)
+        from tagps.cluster.experiment import plan_layout
+
+        return f"{len(plan.worker_devices())} dev [{shares}] {plan_layout(plan)}"
     syncs: dict[str, int] = {}
     for g in plan.gradients.values():
         syncs[g.sync] = syncs.get(g.sync, 0) + 1

@@ -36,6 +36,7 @@ __all__ = [
     "ddp_plan",
     "ddp_subset_plans",
     "local_executor",
+    "plan_layout",
     "plan_servers",
     "run_plan",
 ]
@@ -94,6 +95,18 @@ def plan_servers(plan: Plan) -> dict[str, int]:
         dict.fromkeys(name for i in sorted(ps_groups) for name in plan.groups[i].placement)
     )
     return {name: 1 for name in names}
+
+
+def plan_layout(plan: Plan) -> str:
+    """Op groups as ``option@placement``, runs of equal ones counted: ``ps@m1 x6, allreduce@m0+m2``."""
+    runs: list[list[Any]] = []
+    for g in plan.groups:
+        text = f"{g.option}@{'+'.join(g.placement)}"
+        if runs and runs[-1][0] == text:
+            runs[-1][1] += 1
+        else:
+            runs.append([text, 1])
+    return ", ".join(text if n == 1 else f"{text} x{n}" for text, n in runs)
 
 
 def ddp_plan(sim: Simulator, batch: int, optimizer: str = "adam") -> Plan:
