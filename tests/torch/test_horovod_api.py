@@ -576,21 +576,6 @@ def test_horovod_collective_on_every_rank(job_results: list[dict[str, str]], nam
     assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())
 
 
-_LAYOUT = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT",
-           "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "TAGPS_DIST_PORT", "DMLC_ROLE")  # fmt: skip
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in _LAYOUT:
-        monkeypatch.delenv(name, raising=False)
-    hvd.init()
-    try:
-        yield
-    finally:
-        hvd.shutdown()
-
-
 # Horovod 0.28's parameter order, which positional calls rely on.
 HOROVOD_SIGNATURES = {
     "allreduce": "tensor average name compression op prescale_factor postscale_factor process_set",
@@ -735,9 +720,8 @@ def test_timeline_records_every_collective_and_gradient(world_of_one: None, tmp_
     assert json.loads(path.read_text()) == events
 
 
-def test_init_refuses_a_copy_of_the_global_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in _LAYOUT:
-        monkeypatch.delenv(name, raising=False)
+@pytest.mark.usefixtures("no_job_layout")
+def test_init_refuses_a_copy_of_the_global_set() -> None:
     try:
         with pytest.raises(ValueError, match="duplicate process set"):
             hvd.init(process_sets=[hvd.ProcessSet([0])])  # in a job of one, rank 0 is every rank

@@ -17,20 +17,6 @@ from tagps.comm.sufficient_factors import SFBNotApplicable
 from tagps.config import ConfigError, comm_config
 from tagps.torch.strategy import resolve_strategy
 
-_LAYOUT = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT",
-           "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "TAGPS_DIST_PORT", "DMLC_ROLE")  # fmt: skip
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in _LAYOUT:
-        monkeypatch.delenv(name, raising=False)
-    bps.init()
-    try:
-        yield
-    finally:
-        bps.shutdown()
-
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
