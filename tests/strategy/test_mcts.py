@@ -7,40 +7,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from torch import nn
+from strategy_builders import deep_mlp_graph, three_groups
 
 from tagps.strategy.baselines import dp_nccl
-from tagps.strategy.graph import Graph, extract_graph
 from tagps.strategy.grouping import group_ops
 from tagps.strategy.mcts import SearchConfig, candidate_actions, search
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Topology
 
 
-def _graph(width: int, depth: int) -> Graph:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return extract_graph(nn.Sequential(*layers), (torch.randn(1, width),), f"mlp{width}x{depth}")
-
-
-def _topology(memory: int = 0) -> Topology:
-    return Topology(
-        "mcts",
-        (
-            DeviceGroup("fast", "V100-32GB", 2, 1200.0, memory),
-            DeviceGroup("slow", "1080Ti", 2, 96.0, memory),
-            DeviceGroup("mid", "P100", 1, 96.0, memory),
-        ),
-        10.0,
-    )
-
-
 @pytest.fixture(scope="module")
 def sim() -> Simulator:
-    graph = _graph(1024, 6)
-    return Simulator(graph, group_ops(graph, 6), _topology())
+    graph = deep_mlp_graph(1024, 6)
+    return Simulator(graph, group_ops(graph, 6), three_groups("mcts"))
 
 
 def test_candidate_actions_offer_every_option_on_every_subset(sim: Simulator) -> None:
@@ -98,8 +77,8 @@ def test_data_parallel_restriction_gives_runtime_plans(sim: Simulator) -> None:
 
 
 def test_out_of_memory_moves_towards_model_parallelism() -> None:
-    graph = _graph(4096, 4)  # 4 x 64 MiB of weights: with Adam 1 GiB per replica
-    sim = Simulator(graph, group_ops(graph, 4), _topology(memory=600 << 20))
+    graph = deep_mlp_graph(4096, 4)  # 4 x 64 MiB of weights: with Adam 1 GiB per replica
+    sim = Simulator(graph, group_ops(graph, 4), three_groups("mcts", memory=600 << 20))
     assert not sim.evaluate(dp_nccl(sim, 16)).feasible
     result = search(sim, 16, SearchConfig(iterations=60, sfb=False))
     assert result.baseline == "mp"
@@ -125,7 +104,7 @@ def test_search_rejects_bad_budgets_and_batches(sim: Simulator) -> None:
 
 def test_polishing_never_makes_the_plan_slower() -> None:
     pytest.importorskip("cvxpy", reason="the SFB solver needs cvxpy")
-    graph = _graph(4096, 2)
+    graph = deep_mlp_graph(4096, 2)
     topo = Topology("slow", (DeviceGroup("a", "1080Ti", 2, 96.0), DeviceGroup("b", "1080Ti", 2, 96.0)), 1.0)
     sim = Simulator(graph, group_ops(graph, 2), topo)
     plain = search(sim, 8, SearchConfig(iterations=40, sfb=False, data_parallel=True))

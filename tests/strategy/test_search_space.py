@@ -6,36 +6,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
-from torch import nn
+from strategy_builders import deep_mlp_graph, three_groups
 
 from tagps.models import default_batch_size
-from tagps.strategy.graph import Graph, extract_graph
 from tagps.strategy.grouping import group_ops
 from tagps.strategy.mcts import Action, SearchConfig, _Search, candidate_actions, search
 from tagps.strategy.plan import Plan
 from tagps.strategy.planner import plan_model
 from tagps.strategy.simulator import OPTIMIZER_STATE, Simulator
 from tagps.strategy.topology import DeviceGroup, Topology, load_topology
-
-
-def _graph(width: int, depth: int) -> Graph:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return extract_graph(nn.Sequential(*layers), (torch.randn(1, width),), f"mlp{width}x{depth}")
-
-
-def _topology(memory: int = 0) -> Topology:
-    return Topology(
-        "space",
-        (
-            DeviceGroup("fast", "V100-32GB", 2, 1200.0, memory),
-            DeviceGroup("slow", "1080Ti", 2, 96.0, memory),
-            DeviceGroup("mid", "P100", 1, 96.0, memory),
-        ),
-        10.0,
-    )
 
 
 def _three_equal(gbps: float) -> Topology:
@@ -46,8 +25,8 @@ def _three_equal(gbps: float) -> Topology:
 
 @pytest.fixture(scope="module")
 def tree() -> _Search:
-    graph = _graph(1024, 6)
-    sim = Simulator(graph, group_ops(graph, 6), _topology())
+    graph = deep_mlp_graph(1024, 6)
+    sim = Simulator(graph, group_ops(graph, 6), three_groups("space"))
     return _Search(sim, 64, SearchConfig(iterations=1, sfb=False), None, False)
 
 
@@ -115,8 +94,8 @@ def test_mp_parts_are_the_split_the_simulator_costs(tree: _Search) -> None:
 
 
 def test_a_searched_plan_with_mp_groups_records_their_split() -> None:
-    graph = _graph(4096, 4)  # with Adam 1 GiB per replica: only model parallelism fits in 600 MiB
-    sim = Simulator(graph, group_ops(graph, 4), _topology(memory=600 << 20))
+    graph = deep_mlp_graph(4096, 4)  # with Adam 1 GiB per replica: only model parallelism fits in 600 MiB
+    sim = Simulator(graph, group_ops(graph, 4), three_groups("space", memory=600 << 20))
     result = search(sim, 16, SearchConfig(iterations=60, sfb=False))
     plan = result.plan
     assert plan is not None
@@ -168,7 +147,7 @@ def test_the_search_puts_ps_servers_on_server_only_machines() -> None:
     workers = tuple(DeviceGroup(f"w{i}", "1080Ti", 1, 96.0) for i in range(3))
     spare = (DeviceGroup("cpu0", "CPU", 0, 100.0), DeviceGroup("cpu1", "CPU", 0, 100.0))
     topology = Topology("spare-servers", workers[:2] + spare[:1] + workers[2:] + spare[1:], 10.0)
-    graph = _graph(2048, 4)
+    graph = deep_mlp_graph(2048, 4)
     sim = Simulator(graph, group_ops(graph, 4), topology)
     assert all(2 not in a.devices and 4 not in a.devices for a in candidate_actions(sim))
     result = search(sim, 8192, SearchConfig(iterations=60, sfb=False))
