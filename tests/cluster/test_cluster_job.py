@@ -241,6 +241,22 @@ def _running(index: int) -> bool:
     return any(cg.CpuCgroup(p, version, 1.0).pids() for p in root.glob(f"tagps-{index}-*"))
 
 
+def _train_under_cluster_run(spec_path: Path, plan_path: Path, model: str) -> dict:
+    """Train ``model`` with the plan for 1 + 2 steps under `tagps cluster run --plan`; rank 0's result."""
+    out = plan_path.with_name(f"{plan_path.stem}-result.json")
+    worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan", str(plan_path),
+              "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+    log = plan_path.with_name(f"{plan_path.stem}.log")
+    with log.open("wb") as sink:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tagps.cli", "cluster", "run", str(spec_path), "--plan", str(plan_path),
+             "--", *worker],
+            stdout=sink, stderr=subprocess.STDOUT, timeout=240, check=False,
+        )  # fmt: skip
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    return json.loads(out.read_text())
+
+
 GENERAL_SPEC = {
     "name": "t-general",
     "machines": [
@@ -286,22 +302,11 @@ def test_tagps_plan_and_a_general_plan_train_under_cluster_run(tmp_path: Path) -
         general_path = tmp_path / "general.json"
         general.save(general_path)
         for plan_path in (searched, general_path):
-            out = tmp_path / f"{plan_path.stem}-result.json"
-            worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", "vgg-mini",
-                      "--plan", str(plan_path), "--steps", "2", "--warmup", "1",
-                      "--out", str(out)]  # fmt: skip
-            log = tmp_path / f"{plan_path.stem}.log"
-            with log.open("wb") as sink:
-                proc = subprocess.run(
-                    [sys.executable, "-m", "tagps.cli", "cluster", "run", str(spec_path),
-                     "--plan", str(plan_path), "--", *worker],
-                    stdout=sink, stderr=subprocess.STDOUT, timeout=240, check=False,
-                )  # fmt: skip
-            assert proc.returncode == 0, log.read_text()[-3000:]
-            result = json.loads(out.read_text())
+            result = _train_under_cluster_run(spec_path, plan_path, "vgg-mini")
             assert result["devices"] == load(plan_path).worker_devices()
             assert len(result["losses"]) == 3 and all(x == x and x > 0 for x in result["losses"])
-        assert json.loads((tmp_path / "general-result.json").read_text())["kind"] == "general"
+            if plan_path == general_path:
+                assert result["kind"] == "general"
     finally:
         cluster.down()
 
@@ -337,18 +342,7 @@ def test_a_plan_with_servers_on_a_server_only_machine_trains_under_cluster_run(t
         plan = data_parallel_plan(sim, 8, even_shares(sim, 8), option="ps", ps_servers=("s",))
         plan_path = tmp_path / "plan.json"
         plan.save(plan_path)
-        out = tmp_path / "result.json"
-        worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", "transformer-mini",
-                  "--plan", str(plan_path), "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
-        log = tmp_path / "job.log"
-        with log.open("wb") as sink:
-            proc = subprocess.run(
-                [sys.executable, "-m", "tagps.cli", "cluster", "run", str(spec_path),
-                 "--plan", str(plan_path), "--", *worker],
-                stdout=sink, stderr=subprocess.STDOUT, timeout=240, check=False,
-            )  # fmt: skip
-        assert proc.returncode == 0, log.read_text()[-3000:]
-        result = json.loads(out.read_text())
+        result = _train_under_cluster_run(spec_path, plan_path, "transformer-mini")
         assert result["devices"] == load(plan_path).worker_devices() == ["a:0", "b:0"]
         assert len(result["losses"]) == 3 and all(x == x and x > 0 for x in result["losses"])
     finally:
