@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP := $(PY) -m pip install --disable-pip-version-check -c requirements/constraints.txt $(if $(WHEELS),--find-links $(WHEELS))
 STAMP := $(VENV)/.tagps-installed
+# The C++ communication engine links libzmq (Debian: libzmq3-dev). As root without it, install it; otherwise
+# the core builds without the engine and says so.
+SYSTEM_DEPS := if ! pkg-config --exists libzmq 2>/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libzmq3-dev pkg-config; fi
 PYTEST_ARGS ?=
 
 .PHONY: all install build demo test lint bench clean
@@ -15,6 +19,7 @@ PYTEST_ARGS ?=
 all: test
 
 $(STAMP): setup.py pyproject.toml requirements/constraints.txt
+	$(SYSTEM_DEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0

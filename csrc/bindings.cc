@@ -20,6 +20,8 @@
 #include "kernels/sgd.h"
 #include "kernels/sum.h"
 
+#include "bind_modules.h"
+
 #define TAGPS_STRINGIFY(x) #x
 #define TAGPS_MACRO_STRINGIFY(x) TAGPS_STRINGIFY(x)
 
@@ -229,6 +231,12 @@ void sgd_step(py::array param, const py::array& grad, std::optional<py::array> m
 PYBIND11_MODULE(_core, m) {
   m.doc() = R"pbdoc(tagps C++ core: CPU summation and optimizer kernels (use tagps.kernels).)pbdoc";
   m.attr("__version__") = TAGPS_MACRO_STRINGIFY(TAGPS_VERSION_INFO);
+#ifdef TAGPS_HAVE_NET
+  m.attr("HAVE_NET") = true;
+  tagps::bind_net(m);
+#else
+  m.attr("HAVE_NET") = false;
+#endif
 
   // Base first: pybind11 tries the most recently registered translator first.
   py::register_exception<tagps::Error>(m, "Error", PyExc_RuntimeError);

@@ -1,0 +1,10 @@
+// Python names of the communication engine (csrc/net), registered into tagps._core.
+#include "bind_modules.h"
+
+namespace tagps {
+
+void bind_net(pybind11::module_& m) {
+  (void)m;
+}
+
+}  // namespace tagps
