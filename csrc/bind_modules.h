@@ -5,9 +5,13 @@
 
 namespace tagps {
 
+// csrc/comm: the intra-machine reduction arena (shared memory summed with the kernels).
+void bind_comm(pybind11::module_& m);
+
 #ifdef TAGPS_HAVE_NET
-// csrc/net: the PS communication engine (server data loop, worker push/pull) over libzmq.
-void bind_net(pybind11::module_& m);
+// csrc/net: the PS communication engine over libzmq: the server's data loop and the worker's push/pull.
+void bind_net_server(pybind11::module_& m);
+void bind_net_client(pybind11::module_& m);
 #endif
 
 }  // namespace tagps

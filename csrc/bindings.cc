@@ -231,9 +231,11 @@ void sgd_step(py::array param, const py::array& grad, std::optional<py::array> m
 PYBIND11_MODULE(_core, m) {
   m.doc() = R"pbdoc(tagps C++ core: CPU summation and optimizer kernels (use tagps.kernels).)pbdoc";
   m.attr("__version__") = TAGPS_MACRO_STRINGIFY(TAGPS_VERSION_INFO);
+  tagps::bind_comm(m);
 #ifdef TAGPS_HAVE_NET
   m.attr("HAVE_NET") = true;
-  tagps::bind_net(m);
+  tagps::bind_net_server(m);
+  tagps::bind_net_client(m);
 #else
   m.attr("HAVE_NET") = false;
 #endif
