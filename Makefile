@@ -14,7 +14,7 @@ SYSTEM_DEPS := if ! pkg-config --exists libzmq 2>/dev/null && [ "$$(id -u)" = 0 
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libzmq3-dev pkg-config; fi
 PYTEST_ARGS ?=
 
-.PHONY: all install build demo test lint bench clean
+.PHONY: all install build demo test lint bench bench-deps clean
 
 all: test
 
@@ -42,6 +42,17 @@ test: build
 
 bench: build
 	$(PY) bench/kernels.py
+
+# Horovod 0.28.1 (gloo, CPU) built from its sdist into the venv, so that bench/e2e_local.py and
+# bench/e2e_cluster.py measure it beside tagps (bench/build_horovod.sh says what it patches and why).
+# Through the constraints, so torch stays the pinned build; skipped when horovod.torch already imports.
+HOROVOD_ENV := HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+	HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo HOROVOD_CMAKE=$(abspath $(VENV))/bin/cmake \
+	CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j2
+bench-deps: $(STAMP)
+	if $(PY) -c 'import horovod.torch' 2>/dev/null; then echo 'horovod.torch already imports'; else \
+	  src=$$(bench/build_horovod.sh $(PY) build/horovod) && \
+	  $(HOROVOD_ENV) $(PIP) --no-build-isolation "$$src" && $(PY) -c 'import horovod.torch'; fi
 
 clean:
 	rm -rf build $(VENV) tagps/_core*.so *.egg-info

@@ -1,4 +1,4 @@
-"""The C++ wire format (csrc/net/wire.h) agrees with tagps/ps/protocol.py byte for byte and reason for reason."""
+"""The C++ wire format (csrc/net/wire.h) agrees with tagps/ps/protocol.py: same bytes, same reasons."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _cpp(frame: bytes) -> tuple[int, ...] | str:
     dtype=st.integers(0, 6),
     flags=st.integers(0, 15),
 )
-def test_pack_header_matches_python(op, sender, key, round, nbytes, dtype, flags) -> None:  # noqa: A002
+def test_pack_header_matches_python(op, sender, key, round, nbytes, dtype, flags) -> None:
     fields = {"sender": sender, "key": key, "round": round, "nbytes": nbytes, "dtype": dtype, "flags": flags}
     raw = pack_header(op, **fields)
     assert _core.wire_pack_header(op, **fields) == raw
