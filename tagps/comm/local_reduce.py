@@ -2,13 +2,15 @@
 
 The participating processes of one machine (its local ranks) each copy a tensor into their own slot of a
 shared-memory arena (a file in ``/dev/shm``). When every slot is filled, each participant sums one shard
-of the tensor (reduce-scatter style) with :func:`tagps.kernels.sum_into`, following the machine's
-topology: inside each group of local ranks (a PCIe switch or a NUMA node, from ``BYTEPS_PCIE_SWITCH_SIZE``
-or ``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into the arena's
+of the tensor (reduce-scatter style) in one C++ call (:meth:`tagps.comm.arena.ShmArena.reduce_shard`: the
+kernels of :func:`tagps.kernels.sum_into` with the GIL released), following the machine's topology: inside
+each group of local ranks (a PCIe switch or a NUMA node, from ``BYTEPS_PCIE_SWITCH_SIZE`` or
+``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into the arena's
 result row. The machine's root (local rank 0) then hands the result row to ``cross`` (the push and pull to
 the summation servers) and, when that completed, every participant copies it back into its tensor. (The
 result has its own row because the root refills its input slot for the next round while the others may
-still be copying the previous result out.)
+still be copying the previous result out.) An arena reserves its whole size when it is created, so a full
+``/dev/shm`` fails that tensor's reduction with :class:`tagps.comm.arena.ArenaFull` instead of a SIGBUS.
 
 Coordination is a small message protocol over ZeroMQ on loopback, driven by one service thread per
 process; the root counts ``ready`` and ``reduced`` messages per tensor name and answers ``reduce`` and
@@ -28,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import mmap
 import os
 import queue
 import secrets
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from tagps import kernels
+from tagps.comm.arena import ShmArena
 from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
@@ -91,18 +92,6 @@ class ReductionFuture:
                 )
         if self._error is not None:
             raise RuntimeError(f"reduction of {self._name!r} failed: {self._error}") from self._error
-
-
-@dataclass
-class _Arena:
-    """The shared slots of one tensor name: ``slots[i]`` belongs to participant ``i``."""
-
-    path: str
-    dtype: torch.dtype
-    count: int
-    mm: mmap.mmap
-    slots: torch.Tensor  # (participants, count): the inputs
-    result: torch.Tensor  # (count,): the sum
 
 
 @dataclass
@@ -188,7 +177,7 @@ class LocalReducer:
             token = secrets.token_bytes(16)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (machine, local_rank, endpoint, job, token))
-        self._arenas: dict[str, _Arena] = {}
+        self._arenas: dict[str, ShmArena] = {}
         self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
         self._rounds: dict[str, _RootRound] = {}
         self._tasks: queue.SimpleQueue[tuple[str, torch.Tensor, int, ReductionFuture] | None] = (
@@ -243,12 +232,10 @@ class LocalReducer:
         self._tasks.put(None)
         self._wake()
         self._thread.join(timeout=10)
-        for arena in self._arenas.values():
-            arena.mm.close()
-            if self._root:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(arena.path)
-        self._arenas.clear()
+        if self._root:
+            for arena in self._arenas.values():
+                arena.unlink()
+        self._arenas.clear()  # each mapping goes with the last view of it
         for s in (self._sock, self._wake_pull, self._wake_push):
             s.close(linger=0)
 
@@ -296,7 +283,7 @@ class LocalReducer:
                 future.set(exc)
             self._waiting.clear()
 
-    def _arena(self, name: str, dtype: torch.dtype, count: int) -> _Arena:
+    def _arena(self, name: str, dtype: torch.dtype, count: int) -> ShmArena:
         arena = self._arenas.get(name)
         if arena is not None:
             if (arena.dtype, arena.count) != (dtype, count):
@@ -305,18 +292,7 @@ class LocalReducer:
                 )
             return arena
         path = self._prefix + uuid.uuid5(uuid.NAMESPACE_URL, name).hex
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        rows = len(self._participants) + 1
-        nbytes = max(1, rows * count * itemsize)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < nbytes:
-                os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        rows_view = torch.frombuffer(mm, dtype=dtype, count=rows * count).view(rows, count)
-        arena = _Arena(path, dtype, count, mm, rows_view[:-1], rows_view[-1])
+        arena = ShmArena(path, dtype, len(self._participants), count)
         self._arenas[name] = arena
         return arena
 
@@ -325,7 +301,7 @@ class LocalReducer:
             future.set(RuntimeError(f"{name!r} is already being reduced; wait for it before resubmitting"))
             return
         arena = self._arena(name, tensor.dtype, tensor.numel())
-        arena.slots[self._me].copy_(tensor.reshape(-1))
+        arena.write(self._me, tensor)
         self._waiting[name] = (tensor, future)
         shape = (_dtype_name(tensor.dtype), tensor.numel())
         if self._root:
@@ -397,8 +373,7 @@ class LocalReducer:
         rnd.ready.add(member)
         if len(rnd.ready) == len(self._participants):
             # Every participant has mapped the arena by now: unlink it so that no crash can leak it.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._arenas[name].path)
+            self._arenas[name].unlink()
             self._broadcast(b"reduce", name.encode())
 
     def _on_reduced(self, name: str, member: int) -> None:
@@ -429,13 +404,14 @@ class LocalReducer:
         tensor, future = self._waiting[name]
         arena = self._arenas[name]
         if kind == b"reduce":
-            self._reduce_shard(arena)
+            start, stop = shard_bounds(arena.count, len(self._participants), self._me)  # type: ignore[arg-type]
+            arena.reduce_shard(self._groups, start, stop)
             if self._root:
                 self._on_reduced(name, 0)
             else:
                 self._to_root(b"reduced", name.encode())
         elif kind == b"done":
-            tensor.reshape(-1).copy_(arena.result)
+            arena.read_result(tensor)
             del self._waiting[name]
             future.set()
         elif kind == b"fail":
@@ -443,14 +419,3 @@ class LocalReducer:
             future.set(RuntimeError(frames[2].decode(errors="replace") if len(frames) > 2 else "failed"))
         else:
             raise _Malformed(f"unknown command {kind[:32]!r}")
-
-    def _reduce_shard(self, arena: _Arena) -> None:
-        start, stop = shard_bounds(arena.count, len(self._participants), self._me)  # type: ignore[arg-type]
-        if start >= stop:
-            return
-        part = arena.slots[:, start:stop]
-        for group in self._groups:
-            kernels.sum_into(part[group[0]], *(part[m] for m in group[1:]))
-        out = arena.result[start:stop]
-        out.copy_(part[0])
-        kernels.sum_into(out, *(part[g[0]] for g in self._groups[1:]))
