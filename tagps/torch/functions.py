@@ -5,6 +5,7 @@ Each takes Horovod's ``process_set=`` (every worker by default); root ranks are 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -95,6 +96,12 @@ def broadcast_optimizer_state(
 ) -> None:
     """Make every worker's optimizer state (hyperparameters and buffers) equal to ``root_rank``'s.
 
+    As in Horovod, an optimizer that has no state yet (it never stepped) is first given one, by a step with
+    zero gradients on every parameter that requires one, so that ranks agree even before the first step
+    (``step`` counts and moment buffers included). A ``DistributedOptimizer`` takes that step without
+    synchronising. Unlike Horovod, the parameters and gradients are then put back as they were, so that
+    optimizers with weight decay do not move the weights.
+
     Args:
         optimizer: a torch optimizer or a ``DistributedOptimizer`` over the same parameters everywhere.
         root_rank: the rank whose state wins.
@@ -102,5 +109,23 @@ def broadcast_optimizer_state(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not optimizer.state_dict()["state"] and not isinstance(optimizer, torch.optim.LBFGS):
+        _initialise_state(optimizer)
     state = broadcast_object(optimizer.state_dict(), root_rank, process_set=process_set)
     optimizer.load_state_dict(state)
+
+
+def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s state with one step on zero gradients, leaving parameters and gradients as
+    they were (LBFGS is left out: its step needs a closure)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    skip = getattr(optimizer, "skip_synchronize", None)  # a DistributedOptimizer: other ranks may not step
+    with skip() if skip is not None else contextlib.nullcontext():
+        optimizer.step()
+    with torch.no_grad():
+        for p, value, grad in saved:
+            p.copy_(value)
+            p.grad = grad

@@ -389,6 +389,31 @@ def optimizer_horovod_arguments(rank: int, size: int) -> None:
 
 
 @check
+def broadcast_optimizer_state_initialises_an_empty_state(rank: int, size: int) -> None:
+    """Rank 0 never stepped, the others did (rank r took r steps): afterwards every rank holds the state
+    of rank 0 initialised as Horovod does (one step on zero gradients), ``step`` included; a
+    DistributedOptimizer initialises without synchronising, and the weights do not move."""
+    weights = nn.Parameter(torch.full((3,), float(rank + 1)))
+    inner = torch.optim.AdamW([weights], lr=0.1 * (rank + 1), weight_decay=0.5)
+    for _ in range(rank):
+        weights.grad = torch.full((3,), float(rank))
+        inner.step()
+    weights.grad = None
+    before = weights.detach().clone()
+    opt = hvd.DistributedOptimizer(inner, named_parameters=[("w", weights)])
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = opt.state_dict()
+    assert state["param_groups"][0]["lr"] == 0.1
+    assert float(state["state"][0]["step"]) == 1.0, state["state"][0]
+    assert torch.equal(state["state"][0]["exp_avg"], torch.zeros(3))
+    assert torch.equal(state["state"][0]["exp_avg_sq"], torch.zeros(3))
+    assert torch.equal(weights.detach(), before) and weights.grad is None
+    gathered = hvd.allgather_object(state)
+    assert all(str(g) == str(gathered[0]) for g in gathered), gathered
+    del opt
+
+
+@check
 def optimizer_sparse_as_dense(rank: int, size: int) -> None:
     torch.manual_seed(0)
     emb = nn.Embedding(10, 3, sparse=True)
