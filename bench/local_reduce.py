@@ -1,0 +1,201 @@
+"""Benchmark the shared-memory arena of the local reduction: one C++ call per shard against the Python loop it
+replaced, and against the memory-bound floor (``sum_into`` alone), measured in the same run.
+
+Usage: python bench/local_reduce.py [--ranks 4] [--mib 64] [--rounds 5] [--threads 1] [--out FILE]
+
+One process plays every local rank: an arena of ``--ranks`` slots of ``--mib`` MiB float32 in /dev/shm,
+and the reduction of the whole tensor as the ranks' shards one after another (on a machine they run at
+once, each on its own cores; ``--threads`` is the kernels' and torch's threads, 1 by default because one
+rank's share of a shared machine's cores is small, and an OpenMP team on oversubscribed cores waits for
+its descheduled members). Candidates, timed in interleaved rounds, best round kept (medians in the JSON):
+
+- cpp: ``ShmArena.reduce_shard`` per shard (csrc/comm/arena.cc).
+- python_loop: the replaced path: torch views of an mmap of the same file, per shard a ``kernels.sum_into``
+  call per group, ``copy_`` of slot 0 into the result row, ``sum_into`` of the other group leaders.
+- sum_into: ``kernels.sum_into(x0, x1, ..., xn)`` on private tensors of the same size: reads every row
+  once and writes one; the arena also copies slot 0's sum into the result row (2 more rows of traffic).
+- copy_in_out, cpp vs torch: every rank's copy into its slot and one copy of the result out.
+
+Writes JSON (default bench/results/local_reduce.json) with the ``machine``, ``measurements`` (ms) and
+``figures``: ``cpp_vs_python_loop_<topology>`` (python_loop time / cpp time), ``cpp_vs_sum_into``
+(sum_into time / cpp time; one group moves 7 rows against sum_into's ranks + 1, so 5/7 is the floor's
+ratio for 4 ranks) and ``copy_cpp_vs_torch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from benchlib import command_line, machine_info, write_json
+
+from tagps import kernels
+from tagps.comm.arena import ShmArena
+from tagps.comm.local_reduce import shard_bounds
+
+MIB = 1 << 20
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "local_reduce.json"
+
+
+def _best_times(
+    candidates: dict[str, Callable[[], object]], rounds: int, medians: dict[str, float]
+) -> dict[str, float]:
+    """Fastest seconds per call of each candidate in interleaved rounds after one warm-up call."""
+    for fn in candidates.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    medians.update({name: statistics.median(times) for name, times in samples.items()})
+    return {name: min(times) for name, times in samples.items()}
+
+
+def _python_loop(slots: torch.Tensor, result: torch.Tensor, groups: list[list[int]], ranks: int) -> None:
+    """The reduction as tagps.comm.local_reduce did it before csrc/comm/arena.cc, every shard in turn."""
+    count = result.numel()
+    for me in range(ranks):
+        start, stop = shard_bounds(count, ranks, me)
+        if start >= stop:
+            continue
+        part = slots[:, start:stop]
+        for group in groups:
+            kernels.sum_into(part[group[0]], *(part[m] for m in group[1:]))
+        out = result[start:stop]
+        out.copy_(part[0])
+        kernels.sum_into(out, *(part[g[0]] for g in groups[1:]))
+
+
+def _cpp(arena: ShmArena, groups: list[list[int]], ranks: int) -> None:
+    for me in range(ranks):
+        arena.reduce_shard(groups, *shard_bounds(arena.count, ranks, me))
+
+
+def bench(
+    ranks: int, mib: float, rounds: int, shm_dir: str
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    count = int(mib * MIB) // 4
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.rand(count, generator=gen) + i for i in range(ranks)]  # distinct values per rank
+    expected = torch.stack(xs).sum(0)
+    topologies = {
+        "one_group": [list(range(ranks))],
+        "two_groups": [list(range(0, ranks, 2)), list(range(1, ranks, 2))],
+    }
+    medians: dict[str, float] = {}
+    measurements: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(dir=shm_dir) as where:
+        path = os.path.join(where, "arena")
+        arena = ShmArena(path, torch.float32, ranks, count)
+        with open(path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), (ranks + 1) * count * 4)
+        rows = torch.frombuffer(mm, dtype=torch.float32).view(ranks + 1, count)
+        slots, result = rows[:-1], rows[-1]
+        out = torch.empty(count)
+
+        def fill() -> None:
+            for i, x in enumerate(xs):
+                arena.write(i, x)
+
+        for topo, groups in topologies.items():
+            for name, run in {
+                "cpp": lambda g=groups: _cpp(arena, g, ranks),
+                "python_loop": lambda g=groups: _python_loop(slots, result, g, ranks),
+            }.items():
+                fill()
+                run()
+                torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-5, msg=f"{topo} {name}")
+            measurements[f"reduce_{topo}_ms"] = _best_times(
+                {
+                    "cpp": lambda g=groups: _cpp(arena, g, ranks),
+                    "python_loop": lambda g=groups: _python_loop(slots, result, g, ranks),
+                },
+                rounds,
+                medians,
+            )
+        dst, srcs = xs[0].clone(), xs[1:]
+        measurements["floor_ms"] = _best_times(
+            {"sum_into": lambda: kernels.sum_into(dst, *srcs)}, rounds, medians
+        )
+
+        def copy_cpp() -> None:
+            fill()
+            arena.read_result(out)
+
+        def copy_torch() -> None:
+            for i, x in enumerate(xs):
+                slots[i].copy_(x)
+            out.copy_(result)
+
+        measurements["copy_in_out_ms"] = _best_times({"cpp": copy_cpp, "torch": copy_torch}, rounds, medians)
+    ms = {g: {k: v * 1e3 for k, v in d.items()} for g, d in measurements.items()}
+    return ms, {k: v * 1e3 for k, v in medians.items()}
+
+
+def figures(ms: dict[str, dict[str, float]]) -> dict[str, float]:
+    figs = {
+        f"cpp_vs_python_loop_{topo}": ms[f"reduce_{topo}_ms"]["python_loop"] / ms[f"reduce_{topo}_ms"]["cpp"]
+        for topo in ("one_group", "two_groups")
+    }
+    figs["cpp_vs_sum_into"] = ms["floor_ms"]["sum_into"] / ms["reduce_one_group_ms"]["cpp"]
+    figs["copy_cpp_vs_torch"] = ms["copy_in_out_ms"]["torch"] / ms["copy_in_out_ms"]["cpp"]
+    return {k: round(v, 3) for k, v in figs.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4, help="local ranks (slots), default 4")
+    parser.add_argument("--mib", type=float, default=64, help="MiB of float32 per rank, default 64")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per candidate, default 5")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="kernel threads (TAGPS_NUM_THREADS), default 1"
+    )
+    parser.add_argument("--shm-dir", default="/dev/shm", help="where the arena lives (default /dev/shm)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    kernels.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # the old path's copy_ runs on torch's threads
+    start = time.perf_counter()
+    ms, medians = bench(args.ranks, args.mib, args.rounds, args.shm_dir)
+    figs = figures(ms)
+    result = {
+        "machine": machine_info(
+            simd_mode=kernels.simd_mode(),
+            tagps_threads=kernels.num_threads(),
+            torch_threads=torch.get_num_threads(),
+            load_average_1min=round(os.getloadavg()[0], 2),
+        ),
+        "commands": {"run": command_line()},
+        "ranks": args.ranks,
+        "mib_per_rank": args.mib,
+        "rounds": args.rounds,
+        "seconds": round(time.perf_counter() - start, 1),
+        "measurements": ms,
+        "median_ms": medians,
+        "figures": figs,
+    }
+    write_json(args.out, result)
+    print(f"{args.ranks} ranks x {args.mib} MiB float32, best of {args.rounds}")
+    print(f"{'measurement':34s} {'ms':>9s}")
+    for group, values in ms.items():
+        for name, value in values.items():
+            print(f"{group.removesuffix('_ms') + ': ' + name:34s} {value:9.3f}")
+    print(f"\n{'figure':34s} {'ratio':>9s}")
+    for key, value in figs.items():
+        print(f"{key:34s} {value:9.3f}")
+    print(f"\nwrote {args.out} ({result['seconds']} s, simd={kernels.simd_mode()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
