@@ -350,6 +350,8 @@ class PSConfig:
             (default 120).
         secret: ``TAGPS_PS_SECRET``, shared secret from which the CURVE keys are derived (``None``: no
             encryption or authentication).
+        engine: ``TAGPS_PS_ENGINE``, the data path: ``cpp`` (the libzmq engine in ``tagps._core``; the
+            default when it was built with libzmq) or ``python`` (pyzmq).
     """
 
     role: str
@@ -376,6 +378,7 @@ class PSConfig:
     heartbeat_timeout: float = 10.0
     register_timeout: float = 120.0
     secret: str | None = field(default=None, repr=False)
+    engine: str = "python"
 
 
 def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> PSConfig:
@@ -434,7 +437,21 @@ def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> P
         heartbeat_timeout=timeout,
         register_timeout=_read(env, "PS_REGISTER_TIMEOUT", _float(0.0, strict=True), 120.0),
         secret=_read(env, "TAGPS_PS_SECRET", str, None),
+        engine=_read(env, "TAGPS_PS_ENGINE", _ps_engine, _default_ps_engine()),
     )
+
+
+def _default_ps_engine() -> str:
+    from tagps import _core  # the compiled core says whether it has the libzmq engine
+
+    return "cpp" if _core.HAVE_NET else "python"
+
+
+def _ps_engine(raw: str) -> str:
+    value = _choice("cpp", "python")(raw)
+    if value == "cpp" and _default_ps_engine() != "cpp":
+        raise ValueError("tagps._core was built without libzmq (tagps._core.HAVE_NET is False); use python")
+    return value
 
 
 def _port(raw: str) -> int:

@@ -7,6 +7,11 @@ chunks of at most ``BYTEPS_PARTITION_BYTES`` (equal in size within one element) 
 ``BYTEPS_SCHEDULING_CREDIT`` chunks are in flight and lower ``priority`` values are sent first. A chunk's
 PUSH frame is the caller's buffer itself (zero-copy), and its PULL reply is copied straight back into it.
 
+``TAGPS_PS_ENGINE`` picks who moves the data: ``cpp`` (the default when ``tagps._core`` has libzmq) hands
+the server sockets to ``tagps._core.PSClientEngine``, whose own I/O thread runs declarations and push_pull
+without the GIL; the Python I/O thread then keeps only the scheduler link (heartbeats, barriers, failure
+notices). ``python`` keeps every socket on the Python I/O thread.
+
 Keys must agree across workers. :meth:`PSClient.declare` only records a tensor; the pending declarations
 are numbered in sorted-name order at the next *declaration point* (the next :meth:`~PSClient.push_pull`,
 :meth:`~PSClient.barrier` or :meth:`~PSClient.flush_declarations`), where every worker sends INIT for
@@ -38,6 +43,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from tagps import _core
 from tagps.atomic import write_text_atomic
 from tagps.config import PSConfig, ps_config
 from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
@@ -126,6 +132,7 @@ class Handle:
     __slots__ = (
         "_client",
         "_done",
+        "_native",
         "average",
         "buffer",
         "error",
@@ -147,10 +154,26 @@ class Handle:
         self.step = 0
         self.error: str | None = None
         self._done = threading.Event()
+        self._native: Any = None  # the engine's PushPullOp (TAGPS_PS_ENGINE=cpp)
 
     def __repr__(self) -> str:
-        state = "failed" if self.error else "done" if self._done.is_set() else "pending"
-        return f"Handle({self.name!r}, {state})"
+        state = "done" if self._is_done() else "pending"
+        return f"Handle({self.name!r}, {'failed' if self.error else state})"
+
+    def _is_done(self) -> bool:
+        """Whether it finished; copies the engine's failure reason into ``error``."""
+        if self._native is None:
+            return self._done.is_set()
+        if not self._native.done():
+            return False
+        self.error = self._native.error
+        return True
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Block until finished (True) or ``timeout`` s passed (False); the engine waits without the GIL."""
+        if self._native is None:
+            return self._done.wait(timeout)
+        return self._native.wait(timeout) and self._is_done()
 
 
 class PSClient:
@@ -164,6 +187,7 @@ class PSClient:
         if config.role != "worker":
             raise ValueError(f"PSClient needs DMLC_ROLE=worker, got {config.role}")
         self.config = config
+        self._engine: Any = None  # the C++ data plane (TAGPS_PS_ENGINE=cpp); it owns the server sockets
         self.worker_id = config.worker_id
         self.num_workers = config.num_workers
         keep_freed_buffers()  # pull replies arrive in fresh zmq buffers every round
@@ -178,7 +202,15 @@ class PSClient:
         self.node_id = book.node_id
         #: ``(host, port)`` of every server, by rank.
         self.servers = book.servers
-        self._servers = self._connect(book)
+        try:
+            if config.engine == "cpp":
+                self._engine = self._start_engine()
+                self._servers: list[zmq.Socket] = []
+            else:
+                self._servers = self._connect(book)
+        except BaseException:
+            self._teardown()
+            raise
         self._tensors: dict[str, _Tensor] = {}
         self._pending: list[_Tensor] = []
         self._next_index = 0
@@ -208,6 +240,8 @@ class PSClient:
         self._closed = False
         self._epoch = time.perf_counter()
         self._trace: list[dict[str, Any]] | None = [] if config.trace_on else None
+        # The engine's push_pulls to trace: (name, step, started, bytes, PushPullOp).
+        self._traced: list[tuple[str, int, float, int, Any]] = []
         self._thread = threading.Thread(target=self._io_loop, name="tagps-ps-client", daemon=True)
         self._thread.start()
 
@@ -340,7 +374,7 @@ class PSClient:
             )
         if average and tensor.dtype not in _FLOATS:
             raise TypeError(f"average=True needs a floating dtype; {name!r} is {tensor.dtype}")
-        if tensor.active is not None and not tensor.active._done.is_set():
+        if tensor.active is not None and not tensor.active._is_done():
             raise ValueError(f"the previous push_pull of {name!r} has not completed; wait() for it first")
         handle = Handle(self, name, buffer.reshape(-1), average, int(priority))
         handle.remaining = len(tensor.chunks)
@@ -349,14 +383,18 @@ class PSClient:
         tensor.active = handle
         if not tensor.chunks:
             handle._done.set()
-            return handle
-        self._submit(("push_pull", handle, tensor))
+        elif self._engine is not None:
+            handle._native = self._engine.push_pull(tensor.index, handle.buffer, average, handle.priority)
+            if self._trace is not None and self._traced_step(handle.step):
+                self._traced.append((name, handle.step, handle.started, buffer.nbytes, handle._native))
+        else:
+            self._submit(("push_pull", handle, tensor))
         return handle
 
     def poll(self, handle: Handle) -> bool:
         """Return whether ``handle`` finished (successfully or not; :meth:`wait` raises on failure)."""
         self._own(handle)
-        return handle._done.is_set()
+        return handle._is_done()
 
     def wait(self, handle: Handle, timeout: float | None = None) -> None:
         """Block until ``handle`` finished; the result is then in its buffer.
@@ -366,7 +404,7 @@ class PSClient:
             RuntimeError: the operation or the job failed (the message names the cause).
         """
         self._own(handle)
-        if not handle._done.wait(timeout):
+        if not handle._wait(timeout):
             raise TimeoutError(f"push_pull of {handle.name!r} did not finish within {timeout} s")
         if handle.error is not None:
             raise RuntimeError(f"push_pull of {handle.name!r} failed: {handle.error}")
@@ -407,8 +445,9 @@ class PSClient:
     # -- user-thread helpers ------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._fatal is not None:
-            raise RuntimeError(f"the PS job failed: {self._fatal}")
+        fatal = self._fatal or (self._engine.fatal if self._engine is not None else None)
+        if fatal is not None:
+            raise RuntimeError(f"the PS job failed: {fatal}")
         if self._closed:
             raise RuntimeError("PSClient is closed")
 
@@ -448,10 +487,28 @@ class PSClient:
                 tensor.chunks.append(_Chunk(key, server, start, stop))
             self._tensors[tensor.name] = tensor
         declared = [t for t in pending if t.chunks]
-        if declared:
+        if declared and self._engine is not None:
+            self._declare_on_engine(declared)
+        elif declared:
             event = threading.Event()
             self._submit(("declare", declared, event))
             self._wait_event(event, "declaration")
+
+    def _declare_on_engine(self, tensors: list[_Tensor]) -> None:
+        """INIT the chunks of ``tensors`` on the engine (blocking, without the GIL) and take their rounds."""
+        specs = []
+        for t in tensors:
+            size = t.dtype.itemsize
+            chunks = [(c.key, c.server, c.start * size, (c.stop - c.start) * size) for c in t.chunks]
+            init = b"" if t.init is None else t.init.tobytes()
+            specs.append((t.index, int(dtype_code(t.dtype)), list(t.workers or ()), init, chunks))
+        try:
+            rounds = iter(self._engine.declare(specs))
+        except RuntimeError as exc:
+            raise RuntimeError(f"declaration failed: {exc}") from None
+        for t in tensors:
+            for chunk in t.chunks:
+                chunk.round = next(rounds)
 
     def _chunk_bytes(self, tensor: _Tensor) -> int:
         """Partition size for ``tensor``: BYTEPS_PARTITION_BYTES aligned down to its element size."""
@@ -459,15 +516,26 @@ class PSClient:
         return max(itemsize, self.config.partition_bytes // itemsize * itemsize)
 
     def _pick_server(self, key: int, nbytes: int, workers: tuple[int, ...] | None) -> int:
-        loads = self._server_bytes.setdefault(workers, [0] * len(self._servers))
+        loads = self._server_bytes.setdefault(workers, [0] * len(self.servers))
         if self.config.key_hash_fn == "balanced":
-            server = min(range(len(self._servers)), key=lambda s: (loads[s], s))
+            server = min(range(len(self.servers)), key=lambda s: (loads[s], s))
         else:
-            server = key_to_server(key, len(self._servers), self.config.key_hash_fn)
+            server = key_to_server(key, len(self.servers), self.config.key_hash_fn)
         loads[server] += nbytes
         return server
 
     # -- I/O thread ---------------------------------------------------------------------------
+
+    def _start_engine(self) -> Any:
+        keys = self._security.keys
+        curve = None if keys is None else (keys.server_public, keys.client_public, keys.client_secret)
+        return _core.PSClientEngine(
+            self.node_id,
+            [f"tcp://{host}:{port}" for host, port in self.servers],
+            self.config.scheduling_credit,
+            self.config.heartbeat_timeout,
+            curve,
+        )
 
     def _connect(self, book: AddressBook) -> list[zmq.Socket]:
         sockets = []
@@ -498,6 +566,8 @@ class PSClient:
                         self._drain_server(rank, sock)
                 if self._link.socket in ready:
                     self._on_scheduler()
+                if self._engine is not None and self._engine.fatal is not None:
+                    raise JobFailed(self._engine.fatal)  # a server's ERROR or an unreachable server
                 self._pump()
                 self._link.beat()
         except JobFailed as exc:
@@ -627,20 +697,11 @@ class PSClient:
         handle.remaining -= 1
         if handle.remaining == 0:
             handle._done.set()
-            if (
-                self._trace is not None
-                and self.config.trace_start_step <= handle.step <= self.config.trace_end_step
-            ):
+            if self._trace is not None and self._traced_step(handle.step):
                 self._trace.append(
-                    {
-                        "name": handle.name,
-                        "ph": "X",
-                        "pid": self.worker_id,
-                        "tid": 0,
-                        "ts": (handle.started - self._epoch) * 1e6,
-                        "dur": (time.perf_counter() - handle.started) * 1e6,
-                        "args": {"step": handle.step, "bytes": handle.buffer.nbytes},
-                    }
+                    self._trace_event(
+                        handle.name, handle.step, handle.started, time.perf_counter(), handle.buffer.nbytes
+                    )
                 )
 
     def _on_init_ack(self, rank: int, header: Any) -> None:
@@ -673,6 +734,8 @@ class PSClient:
     def _fail_all(self, reason: str) -> None:
         self._fatal = reason
         log.error("%s: %s", describe_node(self.node_id), reason)
+        if self._engine is not None:
+            self._engine.fail(reason)
         for handle, _ in self._in_flight.values():
             handle.error = reason
             handle._done.set()
@@ -696,16 +759,38 @@ class PSClient:
                 item.error = reason
                 item._done.set()
 
+    def _traced_step(self, step: int) -> bool:
+        return self.config.trace_start_step <= step <= self.config.trace_end_step
+
+    def _trace_event(
+        self, name: str, step: int, started: float, finished: float, nbytes: int
+    ) -> dict[str, Any]:
+        """A Chrome trace event of a completed push_pull (times from time.perf_counter())."""
+        return {
+            "name": name,
+            "ph": "X",
+            "pid": self.worker_id,
+            "tid": 0,
+            "ts": (started - self._epoch) * 1e6,
+            "dur": (finished - started) * 1e6,
+            "args": {"step": step, "bytes": nbytes},
+        }
+
     def _write_trace(self) -> None:
         """Write the push_pull timeline (Chrome trace format) to BYTEPS_TRACE_DIR/<worker_id>/comm.json."""
         if self._trace is None:
             return
+        for name, step, started, nbytes, op in self._traced:  # successful ones only, as the I/O thread does
+            if op.done() and op.error is None:
+                self._trace.append(self._trace_event(name, step, started, op.finished_at, nbytes))
         path = Path(self.config.trace_dir) / str(self.worker_id) / "comm.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps({"traceEvents": self._trace, "displayTimeUnit": "ms"}))
         log.info("push_pull trace of %d events written to %s", len(self._trace), path)
 
     def _teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
         self._security.close()
         if not self._context.closed:
             self._context.destroy(linger=0)
