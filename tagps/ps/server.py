@@ -29,10 +29,17 @@ dispatched before), and if no round is in progress and every key that moved sinc
 moved by the same number of rounds (a step boundary of a training loop), it copies the state and a writer
 thread saves the copy. Keys that move at different rates (say one declared mid-step) would never line up,
 so after ``3 N`` rounds any moment without a round in progress is taken, with a warning.
+
+Two engines run this data plane (``TAGPS_PS_ENGINE``): ``cpp``, the default when ``tagps._core`` was built
+with libzmq, is ``tagps._core.PSServer`` (``csrc/net/server.h``): its own ZeroMQ context, I/O thread, engine
+threads and ZAP handler, all without the GIL, with the semantics above; Python keeps the control plane
+(registration, heartbeats, SHUTDOWN and failure notices) and writes the checkpoints the engine copies.
+``python`` is the pyzmq implementation in this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -44,7 +51,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tagps import kernels
+from tagps import _core, kernels
 from tagps.atomic import atomic_open
 from tagps.config import PSConfig, ServerOptimizerConfig
 from tagps.ps.node import JobFailed, SchedulerLink
@@ -73,6 +80,7 @@ log = logging.getLogger(__name__)
 
 # Version 2 added each key's worker set; version 1 checkpoints (every key on every worker) still restore.
 _CHECKPOINT_VERSION = 2
+_META_FIELDS = ("key", "dtype", "nbytes", "round", "step", "workers", "counts")  # per key, in this order
 _PARK = object()  # engine queue marker: wait at the checkpoint barrier until the I/O thread copied the state
 
 
@@ -167,16 +175,27 @@ class SummationServer:
         self._context = zmq.Context()
         self._security = Security(self._context, config.secret)
         host = resolve_host(config)
-        self._data = self._security.server(self._context.socket(zmq.ROUTER))
-        self._data.setsockopt(zmq.MAXMSGSIZE, max(config.partition_bytes, 1 << 16))
-        self._data.setsockopt(zmq.LINGER, 0)
-        port = bind_random_port(self._data, host)
-        self._replies = self._context.socket(zmq.PULL)
-        # No high-water mark on the engines' replies: an engine blocked in send while the I/O thread waits
-        # for it at a checkpoint would deadlock (what is queued is bounded by the workers' requests).
-        self._replies.setsockopt(zmq.RCVHWM, 0)
-        self._replies_endpoint = f"inproc://tagps-server-replies-{id(self)}"
-        self._replies.bind(self._replies_endpoint)
+        self.engine = config.engine
+        self._native: Any = None  # tagps._core.PSServer (TAGPS_PS_ENGINE=cpp): it owns the data socket
+        if self.engine == "cpp":
+            try:
+                self._native = self._start_native(host)
+            except BaseException:
+                self._security.close()
+                self._context.term()
+                raise
+            port = self._native.port
+        else:
+            self._data = self._security.server(self._context.socket(zmq.ROUTER))
+            self._data.setsockopt(zmq.MAXMSGSIZE, max(config.partition_bytes, 1 << 16))
+            self._data.setsockopt(zmq.LINGER, 0)
+            port = bind_random_port(self._data, host)
+            self._replies = self._context.socket(zmq.PULL)
+            # No high-water mark on the engines' replies: an engine blocked in send while the I/O thread
+            # waits for it at a checkpoint would deadlock (what is queued is bounded by the requests).
+            self._replies.setsockopt(zmq.RCVHWM, 0)
+            self._replies_endpoint = f"inproc://tagps-server-replies-{id(self)}"
+            self._replies.bind(self._replies_endpoint)
         self._link = SchedulerLink(
             self._context, self._security, config, "server", host, port, requested_rank
         )
@@ -192,7 +211,7 @@ class SummationServer:
         self._done_tried = 0
         self._park = threading.Barrier(config.engine_threads + 1)
         self._writer: threading.Thread | None = None
-        log.info("server listening on %s:%d", host, port)
+        log.info("server listening on %s:%d (%s engine)", host, port, self.engine)
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -207,13 +226,17 @@ class SummationServer:
             if self._restored_rank is not None and self._restored_rank != self.rank:
                 raise JobFailed(f"checkpoint is for server rank {self._restored_rank}, got rank {self.rank}")
             log.info("server rank %s of %d", self.rank, self.config.num_servers)
-            self._engines = [
-                threading.Thread(target=self._engine, args=(i,), name=f"tagps-engine-{i}", daemon=True)
-                for i in range(self.config.engine_threads)
-            ]
-            for thread in self._engines:
-                thread.start()
-            self._serve()
+            if self._native is not None:
+                self._native.start(self.rank)
+                self._serve_native()
+            else:
+                self._engines = [
+                    threading.Thread(target=self._engine, args=(i,), name=f"tagps-engine-{i}", daemon=True)
+                    for i in range(self.config.engine_threads)
+                ]
+                for thread in self._engines:
+                    thread.start()
+                self._serve()
         except JobFailed as exc:
             log.error("server stops: %s", exc)
             return 1
@@ -256,6 +279,88 @@ class SummationServer:
             self._link.beat()
             if self.checkpoint_every is not None:
                 self._try_checkpoint(self.checkpoint_every)
+
+    # -- the C++ engine (TAGPS_PS_ENGINE=cpp) -------------------------------------------------------
+
+    def _start_native(self, host: str) -> Any:
+        """Bind the C++ engine's data socket and hand it the restored keys (they leave ``self.keys``)."""
+        config = self.config
+        keys = self._security.keys
+        native = _core.PSServer(
+            host=host,
+            num_workers=config.num_workers,
+            partition_bytes=config.partition_bytes,
+            engine_threads=config.engine_threads,
+            enable_async=config.enable_async,
+            max_staleness=config.max_staleness,
+            checkpoint_every=self.checkpoint_every,
+            optimizer=dataclasses.asdict(self.optimizer.config) if self.optimizer else None,
+            curve_keys=(
+                (keys.server_public, keys.server_secret, keys.client_public, keys.client_secret)
+                if keys is not None
+                else None
+            ),
+            log_level=log.getEffectiveLevel(),
+        )
+        try:
+            for st in self.keys.values():
+                opt = st.opt
+                names = self.optimizer.buffer_names() if self.optimizer is not None else ()
+                native.restore_key(
+                    key=st.key,
+                    dtype=st.dtype,
+                    nbytes=st.nbytes,
+                    workers=list(st.workers),
+                    round=st.round,
+                    counts=[] if st.counts is None else st.counts.tolist(),
+                    step=opt.step if opt is not None else 0,
+                    value=st.value,
+                    buffers=[(name, opt.buffers[name]) for name in names] if opt is not None else [],
+                )
+        except ValueError as exc:
+            native.stop()
+            raise ValueError(f"cannot restore the server checkpoint: {exc}") from None
+        self.keys.clear()  # the engine owns them now
+        return native
+
+    def _serve_native(self) -> None:
+        """Beside the C++ engine: serve the scheduler link, heartbeat, relay logs, write checkpoints."""
+        timeout_ms = max(10, int(self.config.heartbeat_interval * 500))
+        if self.checkpoint_every is not None:
+            timeout_ms = min(timeout_ms, 50)  # hand periodic checkpoints to the writer promptly
+        while True:
+            if self._link.socket.poll(timeout_ms):
+                op, _ = self._link.receive()
+                if op == Op.SHUTDOWN:
+                    log.info("shutdown requested by the scheduler")
+                    return
+            self._link.beat()
+            self._native_housekeeping()
+
+    def _native_housekeeping(self) -> None:
+        """Relay the engine's log records, fail with its I/O thread, start writing its checkpoints."""
+        for level, message in self._native.drain_log():
+            log.log(level, "%s", message)
+        failure = self._native.failure()
+        if failure:
+            raise JobFailed(failure)
+        for _moved, entries in self._native.take_checkpoints():  # the engine logged keys out of step
+            self._start_writer(self._native_snapshot(entries))
+
+    def _native_snapshot(self, entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The checkpoint's metadata and arrays from the C++ engine's copies of its keys."""
+        meta = self._meta()
+        arrays: dict[str, np.ndarray] = {}
+        for entry in entries:
+            key, dtype = entry["key"], numpy_dtype(entry["dtype"])
+            meta["keys"].append({name: entry[name] for name in _META_FIELDS})
+            if entry["value"] is not None:
+                arrays[f"value_{key}"] = entry["value"].view(dtype)
+            for name, buf in entry["buffers"].items():
+                arrays[f"state_{key}_{name}"] = buf.view(dtype)
+        return meta, arrays
+
+    # -- the Python engine (TAGPS_PS_ENGINE=python) -------------------------------------------------
 
     def _dispatch(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
@@ -534,6 +639,11 @@ class SummationServer:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _stop_engines(self) -> None:
+        if self._native is not None:
+            self._native.stop()
+            for level, message in self._native.drain_log():
+                log.log(level, "%s", message)
+            return
         for work in self._queues:
             work.put(None)
         for thread in self._engines:
@@ -543,8 +653,9 @@ class SummationServer:
     def _close(self) -> None:
         if not self._context.closed:
             self._link.close()
-            self._replies.close(linger=0)
-            self._data.close(linger=0)
+            if self._native is None:
+                self._replies.close(linger=0)
+                self._data.close(linger=0)
             self._security.close()
             self._context.term()
 
@@ -582,6 +693,10 @@ class SummationServer:
                 st.cut_round = st.round
         finally:
             self._park.wait()
+        self._start_writer(snapshot)
+
+    def _start_writer(self, snapshot: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
+        """Save a periodic checkpoint's copy on the writer thread, after the previous one is written."""
         if self._writer is not None:
             self._writer.join()  # one write at a time, in order
         self._writer = threading.Thread(
@@ -601,15 +716,21 @@ class SummationServer:
         """Write every key's store, round and optimizer state to ``path`` (an ``.npz`` file), atomically."""
         self._write(path, self._snapshot(copy=False))
 
-    def _snapshot(self, *, copy: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Return the checkpoint's metadata and arrays; ``copy``: arrays that the engines cannot change."""
-        meta: dict[str, Any] = {
+    def _meta(self) -> dict[str, Any]:
+        """The checkpoint's metadata without its keys."""
+        return {
             "version": _CHECKPOINT_VERSION,
             "rank": self.rank,
             "optimizer": self.optimizer.config.name if self.optimizer else "none",
             "enable_async": self.config.enable_async,
             "keys": [],
         }
+
+    def _snapshot(self, *, copy: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Return the checkpoint's metadata and arrays; ``copy``: arrays that the engines cannot change."""
+        if self._native is not None:
+            return self._native_snapshot(self._native.snapshot())  # always copies
+        meta = self._meta()
         arrays: dict[str, np.ndarray] = {}
         for st in self.keys.values():
             if st.counts is None:

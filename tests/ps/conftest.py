@@ -1,10 +1,17 @@
 """Start real PS jobs on 127.0.0.1 for tests: a scheduler, servers and worker processes, each bounded.
 
-Usage (the ``ps_job`` fixture returns the class; other test folders can import this file by path)::
+Usage (the ``ps_job`` fixture returns a :class:`PSJob` factory; other test folders can import this file by
+path)::
 
     with ps_job(num_workers=2, num_servers=2) as job:
         results = job.run_workers("from tagps.ps import PSClient; ...", timeout=60)
         config = job.client_config(worker_id=0)  # for a PSClient inside the test process
+
+Every test that takes ``ps_job`` runs once per data-plane engine (``TAGPS_PS_ENGINE``): ``python`` (pyzmq)
+and ``cpp`` (``tagps._core``'s libzmq engine, skipped when the core was built without libzmq). The engine
+applies to every process of the job, servers and workers, and to ``client_config``;
+``TAGPS_TEST_SERVER_ENGINE`` (``python`` or ``cpp``) overrides it for the servers only, to test a client of
+one engine against a server of the other.
 """
 
 from __future__ import annotations
@@ -16,16 +23,22 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from tagps import _core
 from tagps.config import PSConfig, ps_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["PSJob", "WorkerResult", "free_port", "ps_job"]
+__all__ = ["ENGINES", "PSJob", "WorkerResult", "free_port", "ps_engine", "ps_job"]
+
+#: The data-plane engines every ``ps_job`` test runs with.
+ENGINES = ("python", "cpp")
 
 
 def free_port() -> int:
@@ -63,6 +76,8 @@ class PSJob:
         env: extra variables for every process (e.g. BYTEPS_ENABLE_ASYNC).
         server_args: extra command-line flags per server rank order of start (e.g. ``--checkpoint``).
         start_scheduler: start the scheduler (False: a test starts its own).
+        engine: ``TAGPS_PS_ENGINE`` of every process (``None``: the environment's, else the default).
+        server_engine: ``TAGPS_PS_ENGINE`` of the servers (``None``: as ``engine``).
     """
 
     def __init__(
@@ -72,6 +87,8 @@ class PSJob:
         env: dict[str, str] | None = None,
         server_args: list[list[str]] | None = None,
         start_scheduler: bool = True,
+        engine: str | None = None,
+        server_engine: str | None = None,
     ) -> None:
         self.num_workers = num_workers
         self.num_servers = num_servers
@@ -88,8 +105,10 @@ class PSJob:
             "PS_HEARTBEAT_INTERVAL": "0.2",
             "PS_HEARTBEAT_TIMEOUT": "6",  # generous: the test machines are shared; failure tests set 2
             "BYTEPS_LOG_LEVEL": "WARNING",
+            **({"TAGPS_PS_ENGINE": engine} if engine is not None else {}),
             **(env or {}),
         }
+        self.server_env = {"TAGPS_PS_ENGINE": server_engine} if server_engine is not None else {}
         self.server_args = server_args if server_args is not None else [[] for _ in range(num_servers)]
         self.start_scheduler = start_scheduler
         self.scheduler: subprocess.Popen[str] | None = None
@@ -102,7 +121,9 @@ class PSJob:
             self.scheduler = self.spawn([sys.executable, "-m", "tagps.scheduler"], {"DMLC_ROLE": "scheduler"})
         for args in self.server_args:
             self.servers.append(
-                self.spawn([sys.executable, "-m", "tagps.server", *args], {"DMLC_ROLE": "server"})
+                self.spawn(
+                    [sys.executable, "-m", "tagps.server", *args], {"DMLC_ROLE": "server", **self.server_env}
+                )
             )
         return self
 
@@ -177,7 +198,17 @@ class PSJob:
         return codes
 
 
+@pytest.fixture(params=ENGINES)
+def ps_engine(request: pytest.FixtureRequest) -> str:
+    """A data-plane engine (``TAGPS_PS_ENGINE``); ``cpp`` is skipped when ``tagps._core`` lacks it."""
+    engine: str = request.param
+    if engine == "cpp" and not _core.HAVE_NET:
+        pytest.skip("TAGPS_PS_ENGINE=cpp: tagps._core was built without libzmq (HAVE_NET is False)")
+    return engine
+
+
 @pytest.fixture
-def ps_job() -> type[PSJob]:
-    """The :class:`PSJob` class (use it as a context manager so every process is reaped)."""
-    return PSJob
+def ps_job(ps_engine: str) -> Callable[..., PSJob]:
+    """:class:`PSJob` with ``ps_engine`` (use it as a context manager so every process is reaped)."""
+    server_engine = os.environ.get("TAGPS_TEST_SERVER_ENGINE") or None
+    return partial(PSJob, engine=ps_engine, server_engine=server_engine)
