@@ -7,9 +7,11 @@
 2. **Measure links**: ``gloo`` all-reduces of several sizes between two devices of one machine and
    between two machines of an emulated calibration cluster (:data:`CALIBRATION_CLUSTER`, unlike the
    benchmark's) whose goodput was measured; fit the ring model's latencies and bandwidth efficiencies.
-3. **Fit on whole jobs**: train ``mlp-mini`` and ``encoder-mini`` on that cluster with DDP, tagps
-   all-reduce and tagps PS, and refit the communication constants so that the simulator's iteration
-   times match (what the runtimes add per message lands in the latencies).
+3. **Measure the host CPU's communication costs**: the summation kernel's rate on one thread and one
+   side of a loopback TCP transfer, in memory passes per byte (what a PS message costs each side).
+4. **Fit on whole jobs**: train ``mlp-mini`` and ``encoder-mini`` on that cluster with DDP, tagps
+   all-reduce and tagps PS, and fit what the runtimes add to the links' costs: the CPU of each ring step
+   of a collective on every rank and of each PS message, which a quota'd machine runs slowly.
 
 At the end it prints each fitted constant beside the micro-benchmark it is a fraction or a counterpart of
 (matmul rate, copy bandwidth, one op's dispatch, half a TCP round trip, TCP goodput) with its physical
@@ -17,7 +19,7 @@ range, and a warning for every constant that ended on an end of its range (a fai
 also flagged as ``at_bound`` in the JSON).
 
 Without root only the loopback ring of step 2 is measured, the inter-machine constants are taken equal to
-the intra-machine ones and step 3 is skipped (the output says so). The result is the JSON the simulator
+the intra-machine ones and step 4 is skipped (the output says so). The result is the JSON the simulator
 loads (:mod:`tagps.strategy.calibration`; default ``$TAGPS_CACHE_DIR/calibration.json``).
 """
 
@@ -38,6 +40,7 @@ from typing import Any, NamedTuple
 from tagps.atomic import write_text_atomic
 from tagps.strategy.calibration import (
     FITTED,
+    HOST_CPU,
     Calibration,
     CommSample,
     ComputeSample,
@@ -57,6 +60,7 @@ __all__ = [
     "default_path",
     "main",
     "measure_dispatch",
+    "measure_sum_bandwidth",
     "profile_step",
 ]
 
@@ -155,19 +159,62 @@ def constants_table(cal: Calibration, references: dict[str, Reference]) -> str:
     Returns:
         A table; constants on an end of their physical range are marked ``ON BOUND``.
     """
-    rows = [("constant", "fitted", "physical range", "micro-benchmark", "fitted, same unit", "")]
-    for name, rng in FITTED.items():
+    rows = [("constant", "value", "physical range", "micro-benchmark", "value, same unit", "")]
+    for name, rng in {**FITTED, **HOST_CPU}.items():
         value, ref = getattr(cal, name), references.get(name)
         bench = same = "-"
         if ref is not None:
             bench = f"{ref.what}: {_si(ref.value, ref.unit)}"
-            same = _si(value * ref.value if not rng.unit else value, ref.unit)
+            if name == "message_copies":  # passes per byte: the copy rate they leave for one side
+                same = _si(cal.memory_bandwidth / value, ref.unit)
+            else:
+                same = _si(value * ref.value if not rng.unit else value, ref.unit)
+        elif name in HOST_CPU and not value:
+            bench = "not costed"
         bounds = f"[{_si(rng.low, rng.unit)}, {_si(rng.high, rng.unit)}]"
         rows.append(
             (name, _si(value, rng.unit), bounds, bench, same, "ON BOUND" if name in cal.at_bound else "")
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def measure_sum_bandwidth(nbytes: int = 16 << 20, reps: int = 5) -> float:
+    """Return the bytes per CPU second that :func:`tagps.kernels.sum_into` adds into a buffer on one
+    thread (float32, ``nbytes`` per operand, the best of ``reps``)."""
+    import numpy as np
+
+    from tagps import kernels
+
+    kernels.set_num_threads(1)
+    dst, src = np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32)
+    kernels.sum_into(dst, src)  # first touch
+    best = math.inf
+    for _ in range(reps):
+        start = time.thread_time()
+        kernels.sum_into(dst, src)
+        best = min(best, time.thread_time() - start)
+    return nbytes / best
+
+
+def _host_cpu(memory_bandwidth: float) -> tuple[dict[str, float], dict[str, Reference]]:
+    """The measured host-CPU constants and their micro-benchmarks: ``sum_bandwidth`` from the kernel, and
+    ``message_copies`` as the memory passes that one side of a loopback TCP transfer costs per byte (its
+    goodput, with each side on its own core, against the copy bandwidth)."""
+    from tagps.cluster.measure import measure_pair
+    from tagps.launcher import free_ports
+
+    summed = measure_sum_bandwidth()
+    goodput = measure_pair(list, list, "127.0.0.1", free_ports(1)[0], 0.5).bandwidth_Bps
+    values = {
+        "sum_bandwidth": HOST_CPU["sum_bandwidth"].clip(summed),
+        "message_copies": HOST_CPU["message_copies"].clip(memory_bandwidth / goodput),
+    }
+    refs = {
+        "sum_bandwidth": Reference("sum_into, one thread", summed, "B/s"),
+        "message_copies": Reference("TCP goodput, loopback", goodput, "B/s"),
+    }
+    return values, refs
 
 
 def _compute_samples(batches: Sequence[int], steps: int) -> list[ComputeSample]:
@@ -351,7 +398,7 @@ def calibrate_stages(
         "memory_efficiency": Reference("copy, one core", memory_bandwidth, "B/s"),
         "op_overhead_s": Reference("one op on one element", measure_dispatch(), "s"),
     }
-    compute_fit = {"efficiency": eff, "memory_efficiency": mem_eff, "op_overhead_s": overhead}
+    fitted = {"efficiency": eff, "memory_efficiency": mem_eff, "op_overhead_s": overhead}
     note = "loopback only (--no-cluster)"
     if use_cluster:
         try:
@@ -359,9 +406,16 @@ def calibrate_stages(
         except ClusterError as exc:
             use_cluster, note = False, f"loopback only ({exc})"
     names = [s.name for s in compute]
+    host_cpu, host_refs = _host_cpu(memory_bandwidth)
+    log(
+        f"host CPU: sum_into {host_cpu['sum_bandwidth'] / 1e9:.1f} GB/s, one side of a message "
+        f"{host_cpu['message_copies']:.2f} memory passes per byte"
+    )
+    references.update(host_refs)
+    fitted.update(host_cpu)  # measured, beside the compute fit
     if not use_cluster:
         comm, link_refs = _loopback_allreduces(reps)
-        cal = _comm_fit(core_flops, memory_bandwidth, compute_fit, compute_err, comm, note, log)
+        cal = _comm_fit(core_flops, memory_bandwidth, fitted, compute_err, comm, note, log)
         stages = {"links": dataclasses.replace(cal, calibration_set=(*names, f"allreduce: {note}"))}
     else:
         from tagps.cluster.experiment import Executor
@@ -375,7 +429,7 @@ def calibrate_stages(
         with up(CALIBRATION_CLUSTER) as cluster:
             topology = cluster.topology()
             comm, link_refs = _cluster_allreduces(cluster, topology, reps)
-            cal = _comm_fit(core_flops, memory_bandwidth, compute_fit, compute_err, comm, note, log)
+            cal = _comm_fit(core_flops, memory_bandwidth, fitted, compute_err, comm, note, log)
             fit_error = dict(cal.fit_error)
             names.append(f"allreduce: {note}")
             stages = {"links": dataclasses.replace(cal, calibration_set=tuple(names))}
@@ -386,9 +440,8 @@ def calibrate_stages(
                 fit_error["jobs"] = job_err
                 names += [f"job: {r.name}" for r in runs]
                 log(
-                    f"job fit on {len(runs)} runs: latency inter {cal.inter_latency_s * 1e6:.0f} us, intra "
-                    f"{cal.intra_latency_s * 1e6:.0f} us, bandwidth efficiency inter "
-                    f"{cal.inter_bandwidth_efficiency:.2f}, intra {cal.intra_bandwidth_efficiency:.2f}, "
+                    f"job fit on {len(runs)} runs: CPU per collective step {cal.collective_step_s * 1e6:.0f} "
+                    f"us, per PS message {cal.message_overhead_s * 1e6:.0f} us, "
                     f"mean error {job_err:.1%}{_on_bound(cal)}"
                 )
                 stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
@@ -408,18 +461,19 @@ def _on_bound(cal: Calibration) -> str:
 def _comm_fit(
     core_flops: float,
     memory_bandwidth: float,
-    compute_fit: dict[str, float],
+    constants: dict[str, float],
     compute_err: float,
     comm: list[CommSample],
     note: str,
     log: Callable[[str], None],
 ) -> Calibration:
-    """The calibration of the measured core, the compute constants and the all-reduce fit of ``comm``."""
+    """The calibration of the measured core, ``constants`` (the compute fit and the measured host-CPU
+    constants) and the all-reduce fit of ``comm``."""
     inter_lat, intra_lat, inter_eff, intra_eff, comm_err = fit_comm(comm)
     cal = Calibration(
         core_flops,
         memory_bandwidth,
-        **compute_fit,
+        **constants,
         inter_latency_s=inter_lat,
         intra_latency_s=intra_lat,
         inter_bandwidth_efficiency=inter_eff,

@@ -42,7 +42,11 @@ __all__ = [
 ]
 
 DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
-_DDP_COMM = CommSettings(overlap=True, fusion_bytes=DDP_BUCKET_BYTES)
+# DistributedDataParallel's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) closes at 1 MiB.
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+_DDP_COMM = CommSettings(
+    overlap=True, fusion_bytes=DDP_BUCKET_BYTES, first_bucket_bytes=DDP_FIRST_BUCKET_BYTES
+)
 
 
 @dataclass

@@ -26,11 +26,13 @@ of :class:`Calibration`; all of them in :data:`FITTED`). The fits stay inside th
 that ends on an end of its range is a failure of the cost model, not a fit: the model lacks a cost that
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 
-The CPU that PS communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
-comes from three measured constants, each with a meaning and a physical range too (:data:`MEASURED`), or
-0 when not measured (the default: a calibration without them predicts as before): ``message_copies``
-memory passes per byte at ``memory_bandwidth`` for each side of a message, the summation kernel's
-``sum_bandwidth`` and the ZeroMQ I/O thread's ``message_overhead_s`` per 4 MB partition.
+The CPU that communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
+comes from four host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
+0 when not costed (a calibration without them predicts as before). Two are measured by micro-benchmarks:
+``message_copies``, the memory passes per byte at ``memory_bandwidth`` that each side of a message costs
+(one side of a loopback TCP transfer), and the summation kernel's ``sum_bandwidth``. Two are what the
+runtimes add, fitted on whole jobs (:func:`fit_runs`): the ZeroMQ I/O thread's ``message_overhead_s`` per
+4 MB partition and ``collective_step_s``, the CPU of one ring step of a collective on each rank.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from tagps.strategy.topology import DeviceGroup, Link, Topology
 __all__ = [
     "CALIBRATION_VERSION",
     "FITTED",
-    "MEASURED",
+    "HOST_CPU",
     "Calibration",
     "CommSample",
     "ComputeSample",
@@ -115,9 +117,9 @@ def _fitted(meaning: str, low: float, high: float, unit: str = "") -> Any:
     return field(metadata={"range": PhysicalRange(meaning, low, high, unit)})
 
 
-def _measured(meaning: str, low: float, high: float, unit: str = "") -> Any:
-    """A :class:`Calibration` field for a measured constant (0: not measured), with its physical range."""
-    return field(default=0.0, metadata={"measured": PhysicalRange(meaning, low, high, unit)})
+def _host_cpu(meaning: str, low: float, high: float, unit: str = "") -> Any:
+    """A :class:`Calibration` field for a host-CPU constant (0: not costed), with its physical range."""
+    return field(default=0.0, metadata={"host_cpu": PhysicalRange(meaning, low, high, unit)})
 
 
 @dataclass(frozen=True)
@@ -167,16 +169,20 @@ class Calibration:
     calibration_set: tuple[str, ...] = ()
     # Each side of a message is at least one copy (into or out of the socket); beyond 8 passes over the
     # bytes it is not copying.
-    message_copies: float = _measured(
+    message_copies: float = _host_cpu(
         "memory passes per byte at memory_bandwidth that each side of a PS message costs the CPU", 1.0, 8.0
     )
     # bench/kernels.py measures tagps.kernels.sum_into at tens of GB/s; under 1 GB/s is not the kernel.
-    sum_bandwidth: float = _measured(
+    sum_bandwidth: float = _host_cpu(
         "bytes per second that the summation kernel sums on one full core", 1e9, 200e9, "B/s"
     )
     # A message costs the I/O thread at least a system call; a millisecond is not per-message work.
-    message_overhead_s: float = _measured(
+    message_overhead_s: float = _host_cpu(
         "CPU time of the ZeroMQ I/O thread per message (one partition) on one full core", 1e-6, 1e-3, "s"
+    )
+    # A ring step is at least a send and a receive system call; 5 ms of CPU per step is not messaging.
+    collective_step_s: float = _host_cpu(
+        "CPU time of one ring step of a collective on each rank, on one full core", 1e-6, 5e-3, "s"
     )
     at_bound: tuple[str, ...] = field(init=False)
 
@@ -194,24 +200,26 @@ class Calibration:
                     f"calibration: {name} ({rng.meaning}) must be in its physical range {rng}, "
                     f"got {value!r}; refit with `python -m tagps.calibrate`"
                 )
-        for name, rng in MEASURED.items():
+        for name, rng in HOST_CPU.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
                 value == 0 or rng.low <= value <= rng.high
             ):
                 raise ValueError(
-                    f"calibration: {name} ({rng.meaning}) must be 0 (not measured) or in its physical range "
+                    f"calibration: {name} ({rng.meaning}) must be 0 (not costed) or in its physical range "
                     f"{rng}, got {value!r}"
                 )
-        object.__setattr__(
-            self, "at_bound", tuple(n for n, r in FITTED.items() if r.on_bound(getattr(self, n)))
-        )
+        object.__setattr__(self, "at_bound", tuple(n for n, r in _RANGES.items() if self._on_bound(n, r)))
+
+    def _on_bound(self, name: str, rng: PhysicalRange) -> str | None:
+        value = getattr(self, name)
+        return None if name in HOST_CPU and value == 0 else rng.on_bound(value)
 
     def bound_warnings(self) -> list[str]:
         """One line per constant in :attr:`at_bound`: a failure of the cost model, not a fit."""
         lines = []
         for name in self.at_bound:
-            rng = FITTED[name]
+            rng = _RANGES[name]
             lines.append(
                 f"WARNING: {name} ({rng.meaning}) ended on the {rng.on_bound(getattr(self, name))} end "
                 f"of its physical range {rng}: the measurements need a value outside physics, so the cost "
@@ -260,14 +268,15 @@ class Calibration:
         )
 
     def host_cpu(self) -> HostCpu | None:
-        """The CPU that PS communication takes, from the measured constants (None: none measured)."""
-        if not (self.message_copies or self.sum_bandwidth or self.message_overhead_s):
+        """The CPU that communication takes, from the host-CPU constants (None: none is costed)."""
+        if not any(getattr(self, name) for name in HOST_CPU):
             return None
         return HostCpu(
             self.core_flops,
             copy_s_per_byte=self.message_copies / self.memory_bandwidth,
             sum_s_per_byte=1 / self.sum_bandwidth if self.sum_bandwidth else 0.0,
             message_s=self.message_overhead_s,
+            collective_step_s=self.collective_step_s,
         )
 
     def simulator(self, graph: Graph, grouping: Grouping, topology: Topology, seed: int = 0) -> Simulator:
@@ -307,7 +316,7 @@ class Calibration:
             )
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         body = {k: v for k, v in data.items() if k not in ("version", "at_bound")}
-        optional = {"fit_error", "calibration_set", *MEASURED}  # measured ones default to 0: not measured
+        optional = {"fit_error", "calibration_set", *HOST_CPU}  # host-CPU ones default to 0: not costed
         unknown, missing = set(body) - names, names - set(body) - optional
         if unknown or missing:
             raise ValueError(f"calibration: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
@@ -325,10 +334,12 @@ FITTED: dict[str, PhysicalRange] = {
 }
 """The fitted constants of a :class:`Calibration` and their physical ranges, in field order."""
 
-MEASURED: dict[str, PhysicalRange] = {
-    f.name: f.metadata["measured"] for f in dataclasses.fields(Calibration) if "measured" in f.metadata
+HOST_CPU: dict[str, PhysicalRange] = {
+    f.name: f.metadata["host_cpu"] for f in dataclasses.fields(Calibration) if "host_cpu" in f.metadata
 }
-"""The measured host-CPU constants of a :class:`Calibration` (0: not measured) and their physical ranges."""
+"""The host-CPU constants of a :class:`Calibration` (0: not costed) and their physical ranges."""
+
+_RANGES = {**FITTED, **HOST_CPU}
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -397,7 +408,7 @@ def single_device_time(graph: Graph, batch: int, optimizer: str, dtype: DeviceTy
 
 def _box(names: Sequence[str], units: Sequence[float]) -> tuple[list[float], list[float]]:
     """``least_squares`` bounds for fitting ``names``: their physical ranges in ``units``."""
-    ranges = [FITTED[n] for n in names]
+    ranges = [_RANGES[n] for n in names]
     low = [r.low / u for r, u in zip(ranges, units, strict=True)]
     high = [r.high / u for r, u in zip(ranges, units, strict=True)]
     return low, high
@@ -405,7 +416,7 @@ def _box(names: Sequence[str], units: Sequence[float]) -> tuple[list[float], lis
 
 def _constants(names: Sequence[str], units: Sequence[float], x: Sequence[float]) -> dict[str, float]:
     """The constants that ``x`` (in ``units``) stands for, rounding kept inside their ranges."""
-    return {n: FITTED[n].clip(float(v) * u) for n, u, v in zip(names, units, x, strict=True)}
+    return {n: _RANGES[n].clip(float(v) * u) for n, u, v in zip(names, units, x, strict=True)}
 
 
 _COMPUTE = ("efficiency", "memory_efficiency", "op_overhead_s")
@@ -524,25 +535,26 @@ class RunSample:
 
 
 def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration, float]:
-    """Refit the communication constants of ``start`` to whole training jobs.
+    """Fit what the runtimes add to communication, on whole training jobs.
 
-    Minimises the squared log ratio of the calibrated simulator's iteration time to the measured one over
-    ``runs``, varying the latencies and bandwidth efficiencies inside their physical ranges (the compute
-    constants stay). Whatever a runtime adds per message (framework dispatch, hooks, copies) lands in the
-    latencies, up to their ranges: beyond, the fit stops on a bound (:attr:`Calibration.at_bound`).
+    The links keep the constants their all-reduce probes measured (:func:`fit_comm`); what a training
+    job adds on top is CPU: each ring step's work on every rank (``collective_step_s``, which a quota'd
+    rank runs slowly) and the ZeroMQ I/O per PS partition (``message_overhead_s``). Minimises the squared
+    log ratio of the calibrated simulator's iteration time to the measured one over ``runs``, inside the
+    constants' physical ranges; a constant that stops on a bound shows in :attr:`Calibration.at_bound`.
 
     Returns:
         The refitted calibration and its mean absolute relative error on ``runs``.
 
     Raises:
-        ValueError: fewer runs than the four constants.
+        ValueError: fewer runs than three.
     """
-    if len(runs) < 4:
-        raise ValueError(f"fitting the four communication constants needs at least 4 runs, got {len(runs)}")
+    if len(runs) < 3:
+        raise ValueError(f"fitting the runtimes' CPU constants needs at least 3 runs, got {len(runs)}")
     from scipy.optimize import least_squares
 
-    names = ("inter_latency_s", "intra_latency_s", "inter_bandwidth_efficiency", "intra_bandwidth_efficiency")
-    units = (1e-3, 1e-3, 1.0, 1.0)  # latencies fitted in milliseconds
+    names = ("collective_step_s", "message_overhead_s")
+    units = (1e-3, 1e-3)  # fitted in milliseconds
 
     def with_x(x: Sequence[float]) -> Calibration:
         return dataclasses.replace(start, **_constants(names, units, x))
@@ -554,7 +566,8 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         cal = with_x(x)
         return [math.log(predict(cal, r) / r.measured_s) for r in runs]
 
-    x0 = [getattr(start, n) / u for n, u in zip(names, units, strict=True)]
+    # Start inside the ranges (0 means not costed yet): 50 us is a Python-level message.
+    x0 = [(getattr(start, n) or 50e-6) / u for n, u in zip(names, units, strict=True)]
     fit = least_squares(residuals, x0, bounds=_box(names, units), diff_step=0.05)
     cal = with_x(fit.x)
     errors = [abs(predict(cal, r) / r.measured_s - 1) for r in runs]

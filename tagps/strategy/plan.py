@@ -17,6 +17,7 @@ This module imports neither torch nor the runtime: both the search and the runti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,10 +103,14 @@ class CommSettings:
     Args:
         overlap: start a gradient's sync as soon as backward produced it (else after the whole backward).
         fusion_bytes: fuse consecutive all-reduces up to this many bytes (0: no fusion).
+        first_bucket_bytes: the first fused bucket of backward closes at this many bytes instead (0: at
+            ``fusion_bytes``), so that the first sync starts early in backward, as
+            ``DistributedDataParallel``'s 1 MiB first bucket does.
     """
 
     overlap: bool = True
     fusion_bytes: int = 0
+    first_bucket_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,9 +198,10 @@ class Plan:
             raise PlanError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if not isinstance(self.comm.overlap, bool):
             raise PlanError(f"comm.overlap must be a boolean, got {self.comm.overlap!r}")
-        fb = self.comm.fusion_bytes
-        if isinstance(fb, bool) or not isinstance(fb, int) or fb < 0:
-            raise PlanError(f"comm.fusion_bytes must be an integer >= 0, got {fb!r}")
+        for name in ("fusion_bytes", "first_bucket_bytes"):
+            fb = getattr(self.comm, name)
+            if isinstance(fb, bool) or not isinstance(fb, int) or fb < 0:
+                raise PlanError(f"comm.{name} must be an integer >= 0, got {fb!r}")
         group_names = {g.name for g in self.topology.groups}
         if not self.groups:
             raise PlanError("plan has no op groups")
@@ -300,7 +306,7 @@ class Plan:
             "model": self.model,
             "batch_size": self.batch_size,
             "optimizer": self.optimizer,
-            "comm": {"overlap": self.comm.overlap, "fusion_bytes": self.comm.fusion_bytes},
+            "comm": dataclasses.asdict(self.comm),
             "ps_servers": list(self.ps_servers),
             "topology": self.topology.to_dict(),
             "groups": [_group_dict(g) for g in self.groups],
@@ -398,8 +404,9 @@ class Plan:
         if not isinstance(data["batch_shares"], Mapping):
             raise PlanError("batch_shares must be an object keyed by device name")
         comm_raw = data.get("comm", {})
-        if not isinstance(comm_raw, Mapping) or set(comm_raw) - {"overlap", "fusion_bytes"}:
-            raise PlanError("comm must be an object with overlap and fusion_bytes")
+        comm_keys = {f.name for f in dataclasses.fields(CommSettings)}
+        if not isinstance(comm_raw, Mapping) or set(comm_raw) - comm_keys:
+            raise PlanError(f"comm must be an object with keys among {sorted(comm_keys)}")
         pred_raw = data.get("predicted")
         predicted = None
         if pred_raw is not None:
@@ -420,7 +427,7 @@ class Plan:
             batch_shares=dict(data["batch_shares"]),
             kind=data["kind"],
             optimizer=data.get("optimizer", "adam"),
-            comm=CommSettings(comm_raw.get("overlap", True), comm_raw.get("fusion_bytes", 0)),
+            comm=CommSettings(**comm_raw),
             ps_servers=tuple(data.get("ps_servers", ())),
             predicted=predicted,
             version=data["version"],

@@ -105,17 +105,22 @@ class HostCpu:
             passes over the memory bandwidth).
         sum_s_per_byte: per byte summed by the summation kernel (``tagps.kernels.sum_into``).
         message_s: per message (one partition): the ZeroMQ I/O thread.
+        collective_step_s: per step of a collective (one message each rank sends and receives in a ring
+            step): the runtime's and the transport's CPU work. A rank runs it at its device's share of a
+            core, so a ring step waits for the slowest member: ``collective_step_s / q_min`` adds to the
+            step's latency. This is what makes many small all-reduces slow on a quota'd machine.
     """
 
     core_flops: float
     copy_s_per_byte: float = 0.0
     sum_s_per_byte: float = 0.0
     message_s: float = 0.0
+    collective_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.core_flops < float("inf"):
             raise ValueError(f"HostCpu: core_flops must be positive and finite, got {self.core_flops!r}")
-        for name in ("copy_s_per_byte", "sum_s_per_byte", "message_s"):
+        for name in ("copy_s_per_byte", "sum_s_per_byte", "message_s", "collective_step_s"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"HostCpu: {name} must be >= 0 and finite, got {value!r}")
@@ -123,7 +128,7 @@ class HostCpu:
     @property
     def costed(self) -> bool:
         """Whether any cost is non-zero (else the simulator skips this model: the old results exactly)."""
-        return bool(self.copy_s_per_byte or self.sum_s_per_byte or self.message_s)
+        return bool(self.copy_s_per_byte or self.sum_s_per_byte or self.message_s or self.collective_step_s)
 
 
 @dataclass(frozen=True)
@@ -362,6 +367,7 @@ class _TaskGraph:
         "bwd_done",
         "exits",
         "fbatch",
+        "flushed",
         "fwd_out",
         "fwd_tasks",
         "inputs",
@@ -392,6 +398,7 @@ class _TaskGraph:
         self.fwd_tasks: list[list[int]] = []  # per op group: its forward tasks
         self.bwd_done: list[dict[int, int]] = []  # per op group: {device group: its last backward task}
         self.barrier: int | None = None  # without overlap: the end of the whole backward
+        self.flushed = 0  # fused all-reduces added so far
         self.sync_done: list[list[int]] = [[] for _ in sim.dgroups]  # per device group: what apply waits for
         self.sfb_bytes: list[float] = [0.0] * len(sim.groups)  # per op group: gathered SFB factors
         self.memory: list[list[float]] = []  # per device group, per device: peak bytes
@@ -567,6 +574,8 @@ class _TaskGraph:
         bwd_done, sync_done, barrier = self.bwd_done, self.sync_done, self.barrier
         host = sim.host_cpu is not None
         fusion = plan.comm.fusion_bytes if plan.comm.overlap else 0
+        # The first bucket of backward may close early (CommSettings.first_bucket_bytes).
+        first_cap = min(plan.comm.first_bucket_bytes or fusion, fusion)
         bucket: _FusionBucket | None = None
         for i in range(len(sim.groups) - 1, -1, -1):
             gp = plan.groups[i]
@@ -615,7 +624,7 @@ class _TaskGraph:
                         bucket = _FusionBucket(members)
                     bucket.nbytes += ar_bytes
                     bucket.groups.append(i)
-                    if bucket.nbytes >= fusion:
+                    if bucket.nbytes >= (first_cap if self.flushed == 0 else fusion):
                         self._flush(bucket)
                         bucket = None
                 else:
@@ -664,6 +673,7 @@ class _TaskGraph:
             min(sim.dtypes[g].memory_bandwidth * sim.dtypes[g].memory_efficiency for g in members)
         )
         deps = [self.bwd_done[i][g] for i in bucket.groups for g in members]
+        self.flushed += 1
         t = self.sched.add(dur, res, deps, ("allreduce", bucket.groups[0], -1))
         for g in members:
             self.sync_done[g].append(t)
@@ -768,6 +778,12 @@ class Simulator:
             if host_cpu is not None and t.name == "CPU"
             else 0.0
             for g, t in zip(self.dgroups, self.dtypes, strict=True)
+        ]
+        # CPU seconds of one collective step on each device group's ranks (each at its device's share).
+        step = host_cpu.collective_step_s if host_cpu is not None else 0.0
+        self._step_s = [
+            step * host_cpu.core_flops / min(t.peak_flops, host_cpu.core_flops) if step and cores else 0.0
+            for t, cores in zip(self.dtypes, self._cpu_cores, strict=True)
         ]
         self.param_index = {name: i for i, name in enumerate(graph.params)}
         owner_op: dict[str, int] = {}
@@ -921,14 +937,16 @@ class Simulator:
     def _ring_uncached(self, members: dict[int, int]) -> tuple[float, float, tuple[int, ...]]:
         n = len(self.dgroups)
         inner = [g for g, m in members.items() if m > 1]
+        # A step also waits for the slowest member's CPU (HostCpu.collective_step_s; 0 when not costed).
+        cpu = max(self._step_s[g] for g in members)
         if len(members) == 1:
             (g,) = members
-            return self.bw[g][g], self.topology.intra_latency_s, (2 * n + g,)
+            return self.bw[g][g], self.topology.intra_latency_s + cpu, (2 * n + g,)
         bmin = min(self.bw[a][b] for a in members for b in members if a != b)
         for g in inner:
             bmin = min(bmin, self.bw[g][g])
         res = tuple(n + g for g in members) + tuple(2 * n + g for g in inner)
-        return bmin, self.topology.inter_latency_s, res
+        return bmin, self.topology.inter_latency_s + cpu, res
 
     def ring_link(self, members: dict[int, int]) -> tuple[float, float]:
         """Slowest link (bytes/s) and per-message latency of a ring over ``{device group: devices}``."""

@@ -57,22 +57,27 @@ def fused_sum(
 
 
 def fusion_units(
-    order: list[nn.Parameter], method: dict[nn.Parameter, str], fusion_bytes: int
+    order: list[nn.Parameter],
+    method: dict[nn.Parameter, str],
+    fusion_bytes: int,
+    first_bucket_bytes: int = 0,
 ) -> list[list[nn.Parameter]]:
     """Cut the launch order into units: runs of gradients with the same method (``allreduce`` or ``ps``),
-    dtype and device fused up to ``fusion_bytes``, and every SFB weight alone. The cut depends only on the
-    model, so it is the same on every worker."""
+    dtype and device fused up to ``fusion_bytes`` (the first unit up to ``first_bucket_bytes`` when set,
+    so that the first sync starts early in backward), and every SFB weight alone. The cut depends only on
+    the model, so it is the same on every worker."""
     units: list[list[nn.Parameter]] = []
     size = 0
     for p in order:
         nbytes = p.numel() * p.element_size()
         last = units[-1] if units else None
+        cap = min(first_bucket_bytes or fusion_bytes, fusion_bytes) if len(units) == 1 else fusion_bytes
         if (
             method[p] in ("allreduce", "ps")
             and last is not None
             and method[last[0]] == method[p]
             and (last[0].dtype, last[0].device) == (p.dtype, p.device)
-            and size + nbytes <= fusion_bytes
+            and size + nbytes <= cap
         ):
             last.append(p)
             size += nbytes

@@ -122,6 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
         # A plan fixes fusion and overlap (the simulator costed them); otherwise TAGPS_FUSION_BYTES decides.
         fusion_bytes = plan_doc.comm.fusion_bytes if plan_doc is not None else st.cfg.fusion_bytes
+        first_bucket_bytes = plan_doc.comm.first_bucket_bytes if plan_doc is not None else 0
         self._overlap = plan_doc.comm.overlap if plan_doc is not None else True
         self._method = {p: plan.methods[self._names[p]] for p in self._params}
         if self._group is not None:
@@ -160,6 +161,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             st.ps_service().declare(
                 [
                     (
+            first_bucket_bytes,
                         unit_key(u, self._keys),
                         compression.compress(torch.empty(numel(u), dtype=u[0].dtype))[0],
                     )

@@ -15,8 +15,10 @@ from tagps.strategy.calibration import (
     Calibration,
     CommSample,
     ComputeSample,
+    RunSample,
     fit_comm,
     fit_compute,
+    fit_runs,
     load_calibration,
     single_device_time,
 )
@@ -203,3 +205,27 @@ def test_calibrated_simulator_predicts_plans_of_the_measured_topology() -> None:
     calibrated = CAL.evaluate(sim, plan)
     slower = dataclasses.replace(CAL, inter_latency_s=5e-3)
     assert slower.evaluate(slower.simulator(graph, grouping, measured), plan) > calibrated > 0
+
+
+def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
+    from tagps.strategy.baselines import BASELINES
+    from tagps.strategy.plan import CommSettings
+
+    graph = _graph(256)
+    grouping = group_ops(graph, 3)
+    groups = tuple(DeviceGroup(n, "CPU", 1, 40.0, peak_flops=100e9 * q) for n, q in (("a", 0.5), ("b", 0.25)))
+    topo = Topology("quota", groups, 1.0)
+    truth = dataclasses.replace(CAL, collective_step_s=200e-6, message_overhead_s=40e-6)
+    runs = []
+    for fusion in (0, 1 << 20):
+        sim = truth.simulator(graph, grouping, topo)
+        for name in ("dp-nccl", "byteps-like"):
+            plan = dataclasses.replace(BASELINES[name](sim, 16), comm=CommSettings(True, fusion))
+            runs.append(RunSample(f"{name}/{fusion}", graph, grouping, topo, plan, truth.evaluate(sim, plan)))
+    fitted, error = fit_runs(CAL, runs)
+    assert error < 1e-3
+    assert fitted.collective_step_s == pytest.approx(200e-6, rel=0.02)
+    assert fitted.message_overhead_s == pytest.approx(40e-6, rel=0.05)
+    assert fitted.at_bound == ()
+    with pytest.raises(ValueError, match="at least 3 runs"):
+        fit_runs(CAL, runs[:2])

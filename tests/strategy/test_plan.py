@@ -18,7 +18,7 @@ def base() -> dict:
         "model": "mlp",
         "batch_size": 16,
         "optimizer": "adam",
-        "comm": {"overlap": True, "fusion_bytes": 0},
+        "comm": {"overlap": True, "fusion_bytes": 0, "first_bucket_bytes": 0},
         "ps_servers": ["v100"],
         "topology": t.to_dict(),
         "groups": [
@@ -47,6 +47,10 @@ def test_round_trip_is_exact(tmp_path):
     assert again == plan
     assert again.to_json() == text
     assert json.loads(text) == base()
+    # Files written before first_bucket_bytes existed still load, with it at 0 (a first bucket like the rest).
+    older = base()
+    del older["comm"]["first_bucket_bytes"]
+    assert Plan.from_dict(older) == plan
     path = tmp_path / "plan.json"
     plan.save(path)
     assert load(path) == plan

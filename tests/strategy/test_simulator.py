@@ -14,7 +14,7 @@ from tagps.strategy.baselines import (
     proportional_shares,
     random_plan,
 )
-from tagps.strategy.calibration import MEASURED, Calibration
+from tagps.strategy.calibration import HOST_CPU, Calibration
 from tagps.strategy.devices import device_type
 from tagps.strategy.graph import model_graph
 from tagps.strategy.grouping import group_ops
@@ -401,13 +401,13 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
     measured = dataclasses.replace(cal, message_copies=2.0, sum_bandwidth=37e9, message_overhead_s=10e-6)
     assert cal.host_cpu() is None
     assert measured.host_cpu() == HostCpu(160e9, 2 / 17e9, 1 / 37e9, 10e-6)
-    assert set(MEASURED) == {"message_copies", "sum_bandwidth", "message_overhead_s"}
-    for name, rng in MEASURED.items():
+    assert set(HOST_CPU) == {"message_copies", "sum_bandwidth", "message_overhead_s", "collective_step_s"}
+    for name, rng in HOST_CPU.items():
         assert rng.meaning and 0 < rng.low < rng.high, name
-        with pytest.raises(ValueError, match=f"{name} .* must be 0 \\(not measured\\) or in its physical"):
+        with pytest.raises(ValueError, match=f"{name} .* must be 0 \\(not costed\\) or in its physical"):
             dataclasses.replace(cal, **{name: rng.high * 2})
-    # A file written before these constants loads with them at 0: not measured.
-    old = {k: v for k, v in cal.to_dict().items() if k not in MEASURED}
+    # A file written before these constants loads with them at 0: not costed.
+    old = {k: v for k, v in cal.to_dict().items() if k not in HOST_CPU}
     assert Calibration.from_dict(old) == cal
     base = sim_for("vgg-mini", cpu_cluster(0.25))
     plan = BASELINES["byteps-like"](base, 16)
@@ -429,3 +429,47 @@ def test_a_server_only_machine_bounds_ps_by_its_servers_cpu():
     result = costed.evaluate(plan, trace=True)
     assert result.iteration_time > base.evaluate(plan).iteration_time
     assert "srv/compute" in {t.resource for t in result.tasks if t.category == "ps-cpu"}
+
+
+def test_collective_steps_cost_the_slowest_members_cpu_and_zero_changes_nothing():
+    unfused = CommSettings(overlap=True, fusion_bytes=0)
+    extra = {}
+    for cores in (1.0, 0.25):
+        base = sim_for("vgg-mini", cpu_cluster(cores))
+        plan = dataclasses.replace(BASELINES["dp-nccl"](base, 16), comm=unfused)
+        stepped = Simulator(
+            base.graph, base.grouping, base.topology, host_cpu=HostCpu(160e9, collective_step_s=1e-4)
+        )
+        assert stepped.ring_link({0: 1, 1: 1})[1] == pytest.approx(
+            base.ring_link({0: 1, 1: 1})[1] + 1e-4 / cores
+        )
+        extra[cores] = stepped.evaluate(plan).iteration_time - base.evaluate(plan).iteration_time
+        assert extra[cores] > 0
+        zero = Simulator(base.graph, base.grouping, base.topology, host_cpu=HostCpu(160e9))
+        assert zero.evaluate(plan).iteration_time == base.evaluate(plan).iteration_time
+    assert extra[0.25] > 3 * extra[1.0]  # each step runs at a quarter of a core
+    # Fewer, fused messages pay for fewer steps.
+    base = sim_for("vgg-mini", cpu_cluster(0.25))
+    stepped = Simulator(
+        base.graph, base.grouping, base.topology, host_cpu=HostCpu(160e9, collective_step_s=1e-4)
+    )
+    fused = dataclasses.replace(
+        BASELINES["dp-nccl"](base, 16), comm=CommSettings(overlap=True, fusion_bytes=64 << 20)
+    )
+    assert stepped.evaluate(fused).iteration_time - base.evaluate(fused).iteration_time < extra[0.25]
+
+
+def test_an_early_first_bucket_starts_the_sync_during_backward():
+    base = sim_for("vgg-mini", cpu_cluster(1.0))
+    plan = BASELINES["dp-nccl"](base, 16)
+    one = dataclasses.replace(plan, comm=CommSettings(overlap=True, fusion_bytes=64 << 20))
+    early = dataclasses.replace(
+        plan, comm=CommSettings(overlap=True, fusion_bytes=64 << 20, first_bucket_bytes=1 << 20)
+    )
+    t_one, t_early = base.evaluate(one, trace=True), base.evaluate(early, trace=True)
+    syncs = [t for t in t_one.tasks if t.category == "allreduce"]
+    early_syncs = [t for t in t_early.tasks if t.category == "allreduce"]
+    assert len(syncs) == 1 and len(early_syncs) == 2
+    assert early_syncs[0].start < syncs[0].start  # the first bucket goes before backward ends
+    assert t_early.iteration_time < t_one.iteration_time
+    assert Plan.from_dict(early.to_dict()).comm == early.comm

@@ -303,6 +303,10 @@ def test_fusion_units_are_deterministic_runs() -> None:
     ]
     unfused = fusion_units(ps, method, fusion_bytes=0)
     assert [[index[id(p)] for p in u] for u in unfused] == [[i] for i in range(7)]
+    # DDP's early first bucket: the first unit closes at first_bucket_bytes, the rest at fusion_bytes.
+    same = dict.fromkeys(ps[:4], "allreduce")
+    cut = fusion_units(ps[:4], same, fusion_bytes=2048, first_bucket_bytes=16)
+    assert [[index[id(p)] for p in u] for u in cut] == [[0], [1, 2, 3]]
 
 
 def _world_plan(comm: dict[str, object], gradients: dict[str, dict[str, object]] | None = None) -> dict:
