@@ -29,6 +29,8 @@ from tagps.comm.handle import CompletedWork, Waitable, clear_failure, failure, r
 from tagps.config import CommConfig, ConfigError
 
 __all__ = [
+    "JOINED",
+    "LAYOUT_KINDS",
     "MIXED_BACKEND",
     "PeerWatcher",
     "all_gather_rows_async",
@@ -42,6 +44,10 @@ __all__ = [
     "check_device",
     "check_same_layout",
     "init_process_group",
+    "joined_layouts",
+    "layout_extra",
+    "layout_tensor",
+    "layout_zeros",
     "shutdown_process_group",
     "uses_nccl",
 ]
@@ -51,6 +57,13 @@ _watcher: PeerWatcher | None = None  # runs while the group init_process_group()
 _bound: torch.device | None = None  # set by bind_device()
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 _MAX_DIMS = 9
+# Every layout exchange has one size, whichever collective it precedes, so that a rank that joined
+# (tagps.torch.join) can take part in any of them: [first dim, dtype, ndim, kind, zeros, *extra, *other dims].
+_MAX_EXTRA = 1
+_LAYOUT_WIDTH = 5 + _MAX_EXTRA + _MAX_DIMS - 1
+# The collectives that exchange layouts; a joined rank reads from the kind what the others run.
+LAYOUT_KINDS = ("allgather", "allreduce", "broadcast", "step")
+JOINED = -1  # the dtype code a joined rank sends; its ndim field says whether it joined in this exchange
 # Index of a dtype in the metadata that collectives exchange before moving data.
 _DTYPE_CODES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -357,7 +370,8 @@ def all_gather_rows_async(
     world = dist.get_world_size(group)
     if world == 1:
         return CompletedWork(), lambda: tensor, [tensor.shape[0]]
-    everyone = _layouts(tensor, group)
+    everyone = _layouts(tensor, group, "allgather")
+    _refuse_joined(everyone, "allgather")
     mine = everyone[dist.get_rank(group)]
     differing = [r for r, m in enumerate(everyone) if m[1:] != mine[1:]]
     if differing:
@@ -376,49 +390,99 @@ def all_gather_rows_async(
     return work, lambda: torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]), counts
 
 
-def _layouts(tensor: torch.Tensor, group: object | None, extra: tuple[int, ...] = ()) -> list[list[int]]:
-    """Every group rank's ``[first dim, dtype, ndim, *extra, *other dims]`` (-1 padded), in rank order."""
+def _layouts(
+    tensor: torch.Tensor, group: object | None, kind: str, extra: tuple[int, ...] = (), zeros: int = -1
+) -> list[list[int]]:
+    """Every group rank's ``[first dim, dtype, ndim, kind, zeros, *extra, *other dims]`` (-1 padded)."""
     check_device(tensor, f"the {tuple(tensor.shape)} tensor to exchange")
     if tensor.dim() > _MAX_DIMS:
         raise ValueError(f"collectives support tensors of up to {_MAX_DIMS} dimensions, got {tensor.dim()}")
+    assert len(extra) <= _MAX_EXTRA
     shape = list(tensor.shape)
-    meta = [shape[0] if shape else -1, _DTYPE_CODES.index(tensor.dtype), len(shape), *extra, *shape[1:]]
-    width = 3 + len(extra) + _MAX_DIMS - 1
-    mine = torch.tensor(meta + [-1] * (width - len(meta)), dtype=torch.int64, device=tensor.device)
+    dtype, first = _DTYPE_CODES.index(tensor.dtype), shape[0] if shape else -1
+    head = [first, dtype, len(shape), LAYOUT_KINDS.index(kind), zeros]
+    return _exchange([*head, *extra, *[-1] * (_MAX_EXTRA - len(extra)), *shape[1:]], group, tensor.device)
+
+
+def _exchange(meta: list[int], group: object | None, device: torch.device) -> list[list[int]]:
+    mine = torch.tensor(meta + [-1] * (_LAYOUT_WIDTH - len(meta)), dtype=torch.int64, device=device)
     metas = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     wait_work(dist.all_gather(metas, mine, group=group, async_op=True))
     return [m.tolist() for m in metas]
 
 
-def _layout_text(meta: list[int], n_extra: int = 0) -> str:
+def joined_layouts(first: bool) -> list[list[int]]:
+    """Take part, as a rank that joined, in the next layout exchange of the other ranks (every worker, CPU)
+    and return every rank's layout; ``first``: this rank joined since the last exchange."""
+    return _exchange([0, JOINED, int(first)], None, torch.device("cpu"))
+
+
+def layout_tensor(meta: list[int]) -> tuple[torch.dtype, list[int]]:
+    """The dtype and shape a layout from the exchange describes."""
     ndim = meta[2]
-    shape = ([meta[0]] if ndim else []) + meta[3 + n_extra : 3 + n_extra + max(ndim - 1, 0)]
-    extra = f" and arguments {meta[3 : 3 + n_extra]}" if n_extra else ""
-    return f"dtype {_DTYPE_CODES[meta[1]]}, shape {tuple(shape)}{extra}"
+    dims = meta[5 + _MAX_EXTRA : 5 + _MAX_EXTRA + max(ndim - 1, 0)]
+    return _DTYPE_CODES[meta[1]], ([meta[0]] if ndim else []) + dims
+
+
+def layout_extra(meta: list[int]) -> list[int]:
+    """The integer arguments of a layout from the exchange (-1 padded)."""
+    return meta[5 : 5 + _MAX_EXTRA]
+
+
+def layout_zeros(meta: list[int]) -> torch.Tensor | None:
+    """The zeros a joined rank sends for the collective a layout announces (``None``: it cannot take part)."""
+    if meta[4] < 0:
+        return None
+    return torch.zeros(layout_tensor(meta)[1], dtype=_DTYPE_CODES[meta[4]])
+
+
+def _refuse_joined(everyone: list[list[int]], what: str) -> None:
+    joined = [r for r, m in enumerate(everyone) if m[1] == JOINED]
+    if joined:
+        raise ValueError(
+            f"{what} cannot run: worker rank(s) {joined} called join(); until every rank has joined, only "
+            "allreduces with Sum or Average over every worker and DistributedOptimizer steps can"
+        )
+
+
+def _layout_text(meta: list[int], n_extra: int = 0) -> str:
+    dtype, shape = layout_tensor(meta)
+    extra = f" and arguments {layout_extra(meta)[:n_extra]}" if n_extra else ""
+    return f"dtype {dtype}, shape {tuple(shape)}{extra}"
 
 
 def check_same_layout(
-    tensor: torch.Tensor, group: object | None, what: str, extra: tuple[int, ...] = ()
+    tensor: torch.Tensor,
+    group: object | None,
+    what: str,
+    extra: tuple[int, ...] = (),
+    *,
+    zeros: torch.dtype | None = None,
 ) -> None:
     """Raise on every rank of ``group`` unless all of them pass one dtype, one shape and equal ``extra``.
 
     One small blocking all-gather: a collective over tensors that differ would otherwise corrupt data or
-    abort a rank inside gloo.
+    abort a rank inside gloo. Ranks that called ``tagps.torch.join`` take part in it too.
 
     Args:
         tensor: this rank's tensor.
         group: the group (``None``: every worker).
-        what: the collective's name, for the message.
-        extra: integer arguments that must agree too (e.g. the reduce op).
+        what: the collective, one of :data:`LAYOUT_KINDS`.
+        extra: an integer argument that must agree too (e.g. the reduce op).
+        zeros: the dtype of the zeros that joined ranks send in this collective in place of a tensor like
+            this one (a Sum over every worker); ``None``: they cannot take part, and their presence raises.
 
     Raises:
-        ValueError: naming this rank's and the first differing rank's dtype, shape and arguments.
+        ValueError: naming this rank's and the first differing rank's dtype, shape and arguments; or the
+            joined ranks, when ``zeros`` is ``None``.
     """
     if dist.get_world_size(group) == 1:
         return
-    everyone = _layouts(tensor, group, extra)
+    everyone = _layouts(tensor, group, what, extra, -1 if zeros is None else _DTYPE_CODES.index(zeros))
+    if zeros is None:
+        _refuse_joined(everyone, what)
     mine = everyone[dist.get_rank(group)]
-    differing = [r for r, m in enumerate(everyone) if m != mine]
+    differing = [r for r, m in enumerate(everyone) if m != mine and m[1] != JOINED]
     if differing:
         raise ValueError(
             f"{what} mismatch: this rank has {_layout_text(mine, len(extra))}, group rank {differing[0]} has "

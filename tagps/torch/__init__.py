@@ -53,6 +53,7 @@ from tagps.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from tagps.torch.join_ops import join
 from tagps.torch.optimizer import Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum
 from tagps.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from tagps.torch.sync_batch_norm import SyncBatchNorm
@@ -113,6 +114,7 @@ __all__ = [
     "init",
     "is_homogeneous",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "mpi_built",

@@ -251,9 +251,14 @@ def start_allreduce(tensor: torch.Tensor, spec: _Reduce, name: str | None, inpla
         and tensor.dtype in _PS_DTYPES
         and ops.default_method(st.cfg) == "ps"
     )
-    if not on_servers:  # the servers match tensors by key and time out on their own; gloo would abort
-        collectives.check_same_layout(tensor.detach(), group, "allreduce", (list(_DIST_OPS).index(spec.op),))
     out = tensor.detach() if inplace else tensor.detach().clone(memory_format=torch.contiguous_format)
+    if not on_servers:  # the servers match tensors by key and time out on their own; gloo would abort
+        # Ranks inside join() stand in with zeros of the dtype sent, in a Sum or Average over every worker.
+        zeros = None
+        if spec.op in (Sum, Average) and group is None:
+            zeros = spec.compression.compress(torch.empty(0, dtype=_WIDER.get(out.dtype, out.dtype)))[0].dtype
+        op_code = (list(_DIST_OPS).index(spec.op),)
+        collectives.check_same_layout(tensor.detach(), group, "allreduce", op_code, zeros=zeros)
     _scale_(out, spec.prescale)
     work = _wire(out)
     inner: Any

@@ -28,7 +28,7 @@ from torch import nn
 
 from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
-from tagps.torch import ops, timeline
+from tagps.torch import join_ops, ops, timeline
 from tagps.torch.buckets import fused_sum, fusion_units, numel, unit_key
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
@@ -149,11 +149,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # PS keys are per optimizer instance: another model's parameter may reuse a name with another shape.
         instance = next(st.optimizers)
         self._keys = {p: f"opt{instance}.{self._names[p]}" for p in self._params}
+        # Ranks inside join() stand in with zero gradients only for all-reduced ones over every worker.
+        methods = sorted(set(self._method.values()) - {"allreduce", "none"})
+        self.joinable = f"its gradients use {methods}" if methods else None
+        if self._group is not None:
+            self.joinable = "it synchronises over a process set"
+        self._serving_join = False
         self._units = fusion_units(
             [p for p in reversed(self._params) if self._method[p] != "none"],
             self._method,
             fusion_bytes,
+            first_bucket_bytes,
         )
+        # What the gradient sync sends, in order: a rank inside join() serves a step with the same.
+        wires = [compression.compress(torch.empty(0, dtype=u[0].dtype))[0].dtype for u in self._units]
+        sent = [(numel(u), wire) for u, wire in zip(self._units, wires, strict=True)]
+        self._join_key = join_ops.register_optimizer(self, repr(sent))
         ps_units = [u for u in self._units if self._method[u[0]] == "ps"]
         if ps_units:
             # Start the service and register the (fused) tensors now, so that a missing server or an
@@ -161,7 +172,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             st.ps_service().declare(
                 [
                     (
-            first_bucket_bytes,
                         unit_key(u, self._keys),
                         compression.compress(torch.empty(numel(u), dtype=u[0].dtype))[0],
                     )
@@ -258,6 +268,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._sync_in_step = True
 
+    def contribute_zeros(self) -> None:
+        """Synchronise zero gradients: what a rank inside :func:`tagps.torch.join` does for each step of the
+        others. Its own gradients are left as they were."""
+        saved = {p: p.grad for p in self._params}
+        for p in self._params:
+            p.grad = torch.zeros_like(p)
+        self._serving_join, self._synchronized = True, False
+        try:
+            self.synchronize()
+        finally:
+            self._serving_join = False
+            for p, grad in saved.items():
+                p.grad = grad
+
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is not None and p.grad.is_sparse:
             if not self._sparse_as_dense:
@@ -284,6 +308,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _drain(self) -> None:
         """Start, in the fixed order, every unit whose gradients are all ready."""
         while self._next < len(self._units) and all(p in self._ready for p in self._units[self._next]):
+            if self._next == 0 and self.joinable is None and not self._serving_join:
+                join_ops.announce_step(self._join_key)  # ranks inside join() follow with zeros
             unit = self._units[self._next]
             handle = self._launch(unit[0]) if len(unit) == 1 else self._launch_fused(self._next, unit)
             handle = timeline.traced(handle, self._method[unit[0]].upper(), unit_key(unit, self._keys))

@@ -414,6 +414,67 @@ def broadcast_optimizer_state_initialises_an_empty_state(rank: int, size: int) -
 
 
 @check
+def join_serves_allreduces_with_zeros(rank: int, size: int) -> None:
+    """Rank r has r + 1 batches (rank 0 joins first, rank 2 last): every allreduce averages over the job's
+    size with zeros for the joined ranks, as in Horovod; allgather and broadcast raise meanwhile."""
+    batches = rank + 1
+    for i in range(batches):
+        active = [r for r in range(size) if r + 1 > i]
+        got = hvd.allreduce(_value(rank, torch.float32), name="join.avg")
+        want = torch.stack([_value(r, torch.float32) for r in active]).sum(0) / size
+        _assert_equal(got, want, f"average at batch {i}")
+        got = hvd.allreduce(_value(rank, torch.int16), op=hvd.Sum)
+        want = torch.stack([_value(r, torch.int16).int() for r in active]).sum(0).to(torch.int16)
+        _assert_equal(got, want, f"int16 sum at batch {i}")
+        if i == 1:  # rank 0 has joined
+            with pytest.raises(ValueError, match=r"worker rank\(s\) \[0\] called join"):
+                hvd.allgather(torch.ones(1))
+            with pytest.raises(ValueError, match=r"called join"):
+                hvd.broadcast(torch.ones(1), root_rank=1)
+            with pytest.raises(ValueError, match=r"allreduce cannot run: .* Sum or Average"):
+                hvd.allreduce(torch.ones(1), op=hvd.Max)
+    assert hvd.join() == size - 1
+    _assert_equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)), "after join")
+
+
+@check
+def join_with_distributed_optimizer_uneven_batches(rank: int, size: int) -> None:
+    """Each rank trains on its own r + 1 batches and joins; its weights after its last step equal those of
+    one process that averages, at step i, the gradients of the ranks still training over the job's size."""
+    xs = [[torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(r + 1)]
+          for r in range(size)]  # fmt: skip
+    model = _model(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    for x in xs[rank]:
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    assert hvd.join() == size - 1
+    ref = _model(0)
+    for i in range(rank + 1):
+        grads = [_local_grads(ref, xs[r][i]) for r in range(size) if i < len(xs[r])]
+        with torch.no_grad():
+            for p, *gs in zip(ref.parameters(), *grads, strict=True):
+                p -= 0.1 * torch.stack(gs).sum(0) / size
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got, want)
+    del opt
+
+
+@check
+def join_refuses_an_optimizer_it_cannot_serve(rank: int, size: int) -> None:
+    model = _model(0)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), process_set=INIT_SET
+    ) if rank < 2 else None  # fmt: skip
+    if opt is not None:  # every rank that holds it refuses before exchanging anything
+        with pytest.raises(NotImplementedError, match="synchronises over a process set"):
+            hvd.join()
+    del opt
+    assert hvd.join() == size - 1  # every rank joins at once: the highest wins
+
+
+@check
 def optimizer_sparse_as_dense(rank: int, size: int) -> None:
     torch.manual_seed(0)
     emb = nn.Embedding(10, 3, sparse=True)
