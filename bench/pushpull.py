@@ -1,6 +1,8 @@
 """Benchmark push_pull through the summation servers against raw pyzmq and gloo all_reduce.
 
-Usage: ``python bench/pushpull.py [--quick] [--out FILE]`` (default ``bench/results/pushpull.json``).
+Usage: ``python bench/pushpull.py [--quick] [--no-emulated] [--out FILE]`` (default
+``bench/results/pushpull.json``). ``TAGPS_PS_ENGINE`` (``cpp`` or ``python``) picks the data plane of the
+PS jobs' servers and workers; the JSON records it.
 
 Two set-ups, each compared within the same run:
 
@@ -49,6 +51,7 @@ from benchlib import machine_info, write_json
 
 from tagps import kernels
 from tagps.cluster import ClusterError, LinkLimit, Network, check_support, up
+from tagps.config import ps_config
 from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,6 +275,12 @@ def _machine() -> dict[str, Any]:
     )
 
 
+def _ps_engine() -> str:
+    """The data plane of the PS jobs' nodes: ``TAGPS_PS_ENGINE`` as they read it."""
+    job = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1"}
+    return ps_config({**os.environ, **job, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1"}).engine
+
+
 def _table(figures: dict[str, float | None], skipped: dict[str, str]) -> str:
     rows = [f"{'figure':40s} {'value':>10s} {'target':>8s}  status"]
     for name, value in figures.items():
@@ -289,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, write the JSON, print the table; return 0 (misses are reported, not errors)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (same sizes)")
+    parser.add_argument("--no-emulated", action="store_true", help="skip the emulated-links part")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pushpull.json")
     args = parser.parse_args(argv)
     bench = Bench(args.quick)
@@ -298,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tagps-pushpull-") as tmp:
         figures.update(bench.loopback(tmp))
         try:
+            if args.no_emulated:
+                raise ClusterError("--no-emulated")
             check_support()
         except ClusterError as exc:
             skipped["emulated"] = f"the emulated-links part needs root and network namespaces: {exc}"
@@ -308,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Other jobs on the machine skew every figure; the 1-minute load average says how busy it was.
         "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
         "quick": args.quick,
+        "ps_engine": _ps_engine(),
         "commands": bench.commands,
         "figures": figures,
         "targets": {k: v for k, v in TARGETS.items() if v is not None},

@@ -35,7 +35,7 @@ from tagps.config import PSConfig, ps_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ENGINES", "PSJob", "WorkerResult", "free_port", "ps_engine", "ps_job"]
+__all__ = ["ENGINES", "PSJob", "WorkerResult", "free_port", "ps_engine", "ps_job", "ps_job_class"]
 
 #: The data-plane engines every ``ps_job`` test runs with.
 ENGINES = ("python", "cpp")
@@ -205,6 +205,12 @@ def ps_engine(request: pytest.FixtureRequest) -> str:
     if engine == "cpp" and not _core.HAVE_NET:
         pytest.skip("TAGPS_PS_ENGINE=cpp: tagps._core was built without libzmq (HAVE_NET is False)")
     return engine
+
+
+@pytest.fixture
+def ps_job_class() -> type[PSJob]:
+    """The :class:`PSJob` class itself, for a test that picks each job's engine (``engine=``)."""
+    return PSJob
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Periodic server checkpoints (``--checkpoint-every``): written atomically while serving, at step boundaries,
-and a server killed with SIGKILL restores the last one and continues exactly (SGD with momentum)."""
+and a server killed with SIGKILL restores the last one and continues exactly (SGD with momentum); the Python
+and C++ engines write the same file and restore each other's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tagps import _core
 from tagps.config import ps_config
 from tagps.ps.server import SummationServer
 
@@ -37,6 +39,7 @@ if os.environ.get("HANG"):
 client.close()
 """
 
+ENGINES = ("python", "cpp")
 ENV = {
     "TAGPS_SERVER_OPTIMIZER": "sgd",
     "TAGPS_SERVER_LR": "0.05",
@@ -99,3 +102,34 @@ def test_checkpoint_every_needs_a_path_sync_mode_and_a_positive_count(
     )  # fmt: skip
     with pytest.raises(ValueError, match="checkpoint_every"):
         SummationServer(config, checkpoint=checkpoint, checkpoint_every=every)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not _core.HAVE_NET, reason="TAGPS_PS_ENGINE=cpp: tagps._core was built without libzmq")
+def test_both_engines_write_the_same_checkpoint_and_restore_each_others(ps_job_class, tmp_path) -> None:
+    ckpt = {engine: tmp_path / f"{engine}.npz" for engine in ENGINES}
+    outputs = {}
+    for engine in ENGINES:
+        (tmp_path / engine).mkdir()
+        job_args = [["--checkpoint", str(ckpt[engine])]]
+        with ps_job_class(num_workers=2, num_servers=1, env=ENV, server_args=job_args, engine=engine) as job:
+            env = {"FIRST_STEP": "0", "STEPS": "3", "OUT": str(tmp_path / engine)}
+            for result in job.run_workers(SGD, env=env):
+                result.check()
+            assert job.wait_infrastructure() == {"scheduler": 0, "server0": 0}
+    with np.load(ckpt["python"]) as py_data, np.load(ckpt["cpp"]) as cpp_data:
+        assert json.loads(bytes(py_data["meta"])) == json.loads(bytes(cpp_data["meta"]))
+        assert sorted(py_data.files) == sorted(cpp_data.files)
+        for name in py_data.files:
+            np.testing.assert_array_equal(py_data[name], cpp_data[name], err_msg=name)
+    # Each engine restores the other's checkpoint and continues exactly as the writer would.
+    for writer, reader in [("python", "cpp"), ("cpp", "python")]:
+        out = tmp_path / f"{writer}-to-{reader}"
+        out.mkdir()
+        job_args = [["--restore", str(ckpt[writer])]]
+        with ps_job_class(num_workers=2, num_servers=1, env=ENV, server_args=job_args, engine=reader) as job:
+            for result in job.run_workers(SGD, env={"FIRST_STEP": "3", "STEPS": "2", "OUT": str(out)}):
+                result.check()
+        outputs[writer] = out
+    for name in ("w0-p4.npy", "w0-q4.npy", "w1-q3.npy"):
+        np.testing.assert_array_equal(np.load(outputs["python"] / name), np.load(outputs["cpp"] / name))
