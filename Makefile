@@ -46,6 +46,8 @@ bench: build
 # Horovod 0.28.1 (gloo, CPU) built from its sdist into the venv, so that bench/e2e_local.py and
 # bench/e2e_cluster.py measure it beside tagps (bench/build_horovod.sh says what it patches and why).
 # Through the constraints, so torch stays the pinned build; skipped when horovod.torch already imports.
+# CMAKE_POLICY_VERSION_MINIMUM: the venv's CMake 4 refuses third_party/gloo's cmake_minimum_required(2.8.12)
+# without it. MAKEFLAGS=-j2 replaces horovod's -j8 (two cores here).
 HOROVOD_ENV := HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 	HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo HOROVOD_CMAKE=$(abspath $(VENV))/bin/cmake \
 	CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j2

@@ -152,8 +152,8 @@ def run_plan(
         model: registry model name (the plan's model).
         plan: a plan for ``executor.topology``'s devices; rank ``r`` is its ``r``-th worker device
             (:meth:`~tagps.strategy.plan.Plan.worker_devices`).
-        runtime: ``tagps`` (the plan as it stands) or ``ddp`` (DistributedDataParallel over gloo;
-            data-parallel plans only).
+        runtime: ``tagps`` (the plan as it stands), ``ddp`` (DistributedDataParallel over gloo) or
+            ``horovod`` (Horovod's DistributedOptimizer over gloo); the last two data-parallel plans only.
         steps: timed steps.
         warmup: untimed steps first.
         env: extra environment of the processes.
@@ -164,15 +164,16 @@ def run_plan(
         ``job_error``, the end of the job's output.
 
     Raises:
-        ValueError: a plan that is not data-parallel for ``ddp``, or one that names devices the executor does
-            not have.
+        ValueError: a plan that is not data-parallel for ``ddp`` or ``horovod``, or one that names devices
+            the executor does not have.
         RuntimeError: the job failed before rank 0 wrote its result (the message holds the end of its
             output).
     """
     from tagps.launcher import local_job, run_processes
 
-    if runtime == "ddp" and plan.kind != "data-parallel":
-        raise ValueError(f"DistributedDataParallel runs data-parallel plans; this one is {plan.kind!r}")
+    baseline = {"ddp": "DistributedDataParallel", "horovod": "Horovod"}.get(runtime)
+    if baseline is not None and plan.kind != "data-parallel":
+        raise ValueError(f"{baseline} runs data-parallel plans; this one is {plan.kind!r}")
     # What the runtime cannot execute it refuses by name before step 0; the job's output says why.
     devices = plan.worker_devices()
     known = executor.topology.devices()

@@ -8,7 +8,9 @@ Rank ``r`` is the plan's ``r``-th worker device (``Plan.worker_devices()``). ``-
 runs a data-parallel plan through ``tagps.torch.DistributedOptimizer`` (each rank trains on its batch share,
 every gradient synchronised as the plan says) and a general plan through ``tagps.torch.distribute`` (op
 groups on their own devices, activations crossing between them); ``--runtime ddp`` runs
-``torch.nn.parallel.DistributedDataParallel`` over gloo (the all-reduce baseline; even shares only).
+``torch.nn.parallel.DistributedDataParallel`` over gloo (the all-reduce baseline; even shares only);
+``--runtime horovod`` runs ``horovod.torch.DistributedOptimizer`` over gloo (Horovod's defaults; even
+shares only), the job's processes joined as a Horovod job by :func:`tagps.cluster.horovod_gloo.init`.
 Inputs and targets are one fixed synthetic global batch cut by the plan's shares (the same samples for every
 strategy), so the loss falls as the model memorises it and the losses of different plans compare. Rank 0
 writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", ...}`` to ``--out``; the timed steps
@@ -37,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tagps.cluster.worker", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="registry model (tagps.models.MODELS)")
     p.add_argument("--plan", required=True, help="plan file (tagps plan): any kind with --runtime tagps")
-    p.add_argument("--runtime", choices=("tagps", "ddp"), default="tagps")
+    p.add_argument("--runtime", choices=("tagps", "ddp", "horovod"), default="tagps")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--out", help="rank 0 writes its JSON result here")
@@ -73,10 +75,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = tuple(x[start : start + local_batch] for x in global_inputs)
     targets = global_targets[start : start + local_batch]
     optimizer = _optimizer(plan.optimizer, model.parameters())
+    if args.runtime != "tagps" and len(set(plan.batch_shares[d] for d in devices)) != 1:
+        raise SystemExit(f"--runtime {args.runtime} averages gradients evenly: give it a plan of even shares")
+    hvd = None
     if args.runtime == "ddp":
-        if len(set(plan.batch_shares[d] for d in devices)) != 1:
-            raise SystemExit("--runtime ddp averages gradients evenly: give it a plan with even shares")
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.runtime == "horovod":
+        from tagps.cluster import horovod_gloo
+
+        hvd = horovod_gloo.init()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = bps.DistributedOptimizer(optimizer, model.named_parameters(), strategy=plan)
@@ -100,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # DDP's reducer must go before the process group it uses (else its destructor can abort the process).
     del optimizer, model
     dist.barrier()
+    if hvd is not None:
+        hvd.shutdown()
     bps.shutdown()
     return 0
 
