@@ -833,7 +833,7 @@ void Server::Impl::push(zmq::socket_t& out, KeyState& st, Work& work) {
   o.dst = st.frames[0].data();
   for (size_t i = 1; i < st.frames.size(); ++i) o.srcs.push_back(st.frames[i].data());
   o.count = count;
-  kernels::sum_into(o);
+  if (!o.srcs.empty()) kernels::sum_into(o);  // one worker: its push is the sum
   if (optimizer_ && st.opt && st.value) {
     optimizer_->step(dtype, st.value->data(), st.frames[0].data(), count, *st.opt);
     st.has_result = false;  // pulls get the weights
