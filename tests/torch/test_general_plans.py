@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("general_worker.py")
 sys.path.insert(0, str(Path(__file__).parent))
 import general_worker  # noqa: E402
-from torch_jobs import run_job  # noqa: E402
+from torch_jobs import PS_ENGINES, ps_engine_env, run_job  # noqa: E402
 
 TOL = 1e-5
 
@@ -357,7 +357,8 @@ def test_random_plans_train_exactly_or_are_refused_by_name(tmp_path: Path) -> No
     assert trained >= len(cases) // 2, f"only {trained} of {len(cases)} random plans trained"
 
 
-def test_ps_among_a_subset_of_the_workers_matches_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", PS_ENGINES)
+def test_ps_among_a_subset_of_the_workers_matches_one_process(tmp_path: Path, engine: str) -> None:
     three = {"a": 2, "b": 1}
     shares = {"a:0": 2, "a:1": 3, "b:0": 2}
     plans = {
@@ -365,6 +366,6 @@ def test_ps_among_a_subset_of_the_workers_matches_one_process(tmp_path: Path) ->
         "ps-all-then-subset": make_plan("cnn", three, [(0, ("a", "b"), "ps"), (7, ("a",), "ps")], shares),
     }
     cases = [{"name": n, "model": p["model"], "plan": p, "steps": 2} for n, p in plans.items()]
-    results = run(tmp_path, cases, 3, servers=1)
+    results = run(tmp_path, cases, 3, servers=1, env=ps_engine_env(engine))
     for name in plans:
         assert_parity(results, name)

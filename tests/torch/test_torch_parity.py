@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from torch_jobs import run_job
+from torch_jobs import PS_ENGINES, ps_engine_env, run_job
 
 from tagps.strategy.plan import PLAN_VERSION
 from tagps.strategy.topology import paper_testbed
@@ -113,16 +113,16 @@ def allreduce_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
     return run_job(tmp_path_factory.mktemp("allreduce"), ALLREDUCE_CASES, workers=2)
 
 
-@pytest.fixture(scope="module")
-def ps_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Two machines of two local ranks (one PCIe switch each) and a summation server."""
+@pytest.fixture(scope="module", params=PS_ENGINES)
+def ps_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Two machines of two local ranks (one PCIe switch each) and a summation server, per PS engine."""
     return run_job(
         tmp_path_factory.mktemp("ps"),
         PS_CASES,
         workers=2,
         servers=1,
         local_size=2,
-        env={"BYTEPS_PCIE_SWITCH_SIZE": "1"},
+        env={"BYTEPS_PCIE_SWITCH_SIZE": "1", **ps_engine_env(request.param)},
     )
 
 

@@ -9,8 +9,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tagps import _core
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("parity_worker.py")
+#: The PS data planes (TAGPS_PS_ENGINE) that jobs with summation servers run with.
+PS_ENGINES = ("python", "cpp")
+
+
+def ps_engine_env(engine: str) -> dict[str, str]:
+    """``TAGPS_PS_ENGINE`` for every server and worker of a job; skips ``cpp`` when the core lacks libzmq."""
+    if engine == "cpp" and not _core.HAVE_NET:
+        pytest.skip("TAGPS_PS_ENGINE=cpp: tagps._core was built without libzmq (HAVE_NET is False)")
+    return {"TAGPS_PS_ENGINE": engine}
 
 
 def run_job(
