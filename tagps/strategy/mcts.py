@@ -19,7 +19,17 @@ Selection is PUCT:
     a^* = \\arg\\max_a\\; Q(s, a) + c\\,P(s, a)\\,\\frac{\\sqrt{N(s)}}{1 + n(s, a)}
 
 with ``Q`` the mean reward of the edge (the node's own reward before its first visit), ``P`` the prior,
-``N`` the visits of the node and ``n`` those of the edge. A new node is valued by simulating its partial plan:
+``N`` the visits of the node and ``n`` those of the edge, taken over the node's admitted actions only
+(progressive widening): the
+
+.. math::
+    k(N) = \\lceil c_w\\,(N + 1)^{\\alpha} \\rceil
+
+actions of highest prior (``c_w`` = :attr:`SearchConfig.widen_c`, ``α`` = :attr:`SearchConfig.widen_alpha`),
+plus any action already taken. Equal priors (all of them under the uniform prior) are admitted in an order
+drawn from the search's seed, so the prior decides what is tried and a uniform prior tries a random sample.
+At the root an admitted action not yet tried goes first. A node's prior is computed when the search first
+selects from it; most nodes stay leaves. A new node is valued by simulating its partial plan:
 
 .. math::
     r = \\frac{t_{baseline}}{t} - 1 \\quad(\\text{feasible}), \\qquad r = -1 \\quad(\\text{OOM})
@@ -73,7 +83,7 @@ REPLICATED = ("allreduce", "ps")  # the options a data-parallel plan may use
 OPTION_SLOT = {"allreduce": 0, "ps": 1, "mp": 2, "duplicate": 2}
 OPTION_SLOTS = 3
 MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
-ROOT_FPU = 1e6  # value of an untried root action: above any reward, so each is tried once first
+ROOT_FPU = 1e6  # value of an admitted, untried root action: above any reward, so it is tried next
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,11 @@ class SearchConfig:
         seconds: stop after this many seconds of wall time (None: no limit).
         c_puct: exploration constant ``c`` of PUCT (default 1.5).
         prior_mix: weight of the uniform prior mixed into a model's prior (default 0.25).
-        seed: seed of the tie-breaking generator.
+        widen_c: progressive widening: a node visited ``N`` times chooses among its
+            ``ceil(widen_c * (N + 1) ** widen_alpha)`` actions of highest prior and those already taken
+            (default 2.0; None: among all its actions).
+        widen_alpha: growth exponent of the widening (default 0.5).
+        seed: seed of the tie-breaking generator and of the order of equal priors.
         data_parallel: only plans the first runtime executes: every group on the root's device groups,
             replicated (allreduce/ps); the plan's kind is ``data-parallel``.
         dp_first: for the general search, run the data-parallel search first (the same iteration
@@ -133,6 +147,8 @@ class SearchConfig:
     seconds: float | None = None
     c_puct: float = 1.5
     prior_mix: float = 0.25
+    widen_c: float | None = 2.0
+    widen_alpha: float = 0.5
     seed: int = 0
     data_parallel: bool = False
     dp_first: bool = True
@@ -152,6 +168,10 @@ class SearchConfig:
             raise ValueError(f"c_puct must be > 0, got {self.c_puct!r}")
         if not 0 <= self.prior_mix <= 1:
             raise ValueError(f"prior_mix must be in [0, 1], got {self.prior_mix!r}")
+        if self.widen_c is not None and not self.widen_c > 0:
+            raise ValueError(f"widen_c must be > 0 or None, got {self.widen_c!r}")
+        if not 0 <= self.widen_alpha <= 1:
+            raise ValueError(f"widen_alpha must be in [0, 1], got {self.widen_alpha!r}")
 
     @property
     def two_phases(self) -> bool:
@@ -198,9 +218,10 @@ class PriorModel(Protocol):
 class _Node:
     decided: tuple[int, ...]  # action indices of the groups decided so far
     legal: np.ndarray
-    prior: np.ndarray
     value: float
     result: SimResult | None
+    prior: np.ndarray | None = None  # set when the search first selects from the node
+    rank: np.ndarray | None = None  # positions into ``legal`` in the order widening admits them
     visits: np.ndarray = field(init=False)
     total: np.ndarray = field(init=False)
     children: dict[int, _Node] = field(default_factory=dict)
@@ -317,6 +338,7 @@ class _Search:
         self.sim, self.batch, self.config, self.model = sim, batch, config, model
         self.keep_samples = keep_samples
         self.rng = random.Random(config.seed)
+        self.np_rng = np.random.default_rng(config.seed)  # orders equal priors
         self.actions = candidate_actions(sim)
         self.order = _group_order(sim, batch)
         self.ctx = SearchContext(sim, batch, self.order, self.actions, _speed_weights(sim, batch))
@@ -449,35 +471,54 @@ class _Search:
         )
 
     def node(self, decided: tuple[int, ...], value: float, result: SimResult | None) -> _Node:
-        legal = self.legal(decided)
-        if len(legal) == 0:
-            prior = np.zeros(0)
-        elif self.model is None:
+        return _Node(decided, self.legal(decided), value, result)
+
+    def score_actions(self, node: _Node) -> None:
+        """Set ``node``'s prior and the order in which widening admits its actions."""
+        legal = node.legal
+        if self.model is None:
             prior = np.full(len(legal), 1.0 / len(legal))
         else:
             prior = np.asarray(
-                self.model.priors(self.ctx, [self.actions[a] for a in decided], result, legal), dtype=float
+                self.model.priors(self.ctx, [self.actions[a] for a in node.decided], node.result, legal),
+                dtype=float,
             )
             if prior.shape != legal.shape or not np.all(np.isfinite(prior)) or prior.min() < 0:
                 raise RuntimeError(f"prior model returned an invalid prior of shape {prior.shape}")
             # Mixed with the uniform prior so that a confident model never starves an action forever.
             prior = (1 - self.config.prior_mix) * prior / prior.sum() + self.config.prior_mix / len(legal)
-        return _Node(decided, legal, prior, value, result)
+        # A seeded shuffle before the stable sort: equal priors are admitted in random order, not list order.
+        shuffled = self.np_rng.permutation(len(legal))
+        node.rank = shuffled[np.argsort(-prior[shuffled], kind="stable")]
+        node.prior = prior
+
+    def width(self, node: _Node, visits: int) -> int:
+        """Number of actions of highest prior that ``node``, visited ``visits`` times, chooses among."""
+        c, actions = self.config.widen_c, len(node.legal)
+        return actions if c is None else min(actions, math.ceil(c * (visits + 1) ** self.config.widen_alpha))
 
     def select(self, node: _Node) -> int:
-        """Position (into ``node.legal``) of the PUCT choice; only mp actions while nothing has fit."""
+        """Position (into ``node.legal``) of the PUCT choice among the admitted actions; only mp actions
+        while nothing has fit."""
+        if node.prior is None:
+            self.score_actions(node)
         n = node.visits
+        visits = int(n.sum())
         # First-play urgency: below the root an untried edge is assumed as good as the node's own plan.
-        # At the root (whole-model actions, the decision that matters most) every action is tried once, in
-        # prior order, before any is refined.
+        # At the root (whole-model actions, the decision that matters most) an admitted action is tried
+        # before any is refined.
         fpu = ROOT_FPU if not node.decided else node.value
         q = np.divide(node.total, n, out=np.full_like(node.total, fpu), where=n > 0)
-        prior = node.prior
-        score = q + self.config.c_puct * prior * math.sqrt(n.sum() + 1) / (1 + n)
+        score = q + self.config.c_puct * node.prior * math.sqrt(visits + 1) / (1 + n)
+        width = self.width(node, visits)
+        if width < len(n):
+            admitted = n > 0
+            admitted[node.rank[:width]] = True
+            score = np.where(admitted, score, -np.inf)
         if self.best is None and self.evaluations:
             mp = self.mp_size[node.legal]
             if mp.any():
-                # Nothing fits yet: among mp actions, untried ones over more devices first.
+                # Nothing fits yet: among all mp actions, untried ones over more devices first.
                 score = np.where(mp > 0, mp / (1 + n) + q, -np.inf)
         top = np.flatnonzero(score >= score.max() - 1e-12)
         return int(top[self.rng.randrange(len(top))]) if len(top) > 1 else int(top[0])

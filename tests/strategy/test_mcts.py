@@ -5,6 +5,8 @@ The action space and the general search against the data-parallel one: ``test_se
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from strategy_builders import deep_mlp_graph, three_groups
@@ -143,10 +145,42 @@ def test_an_invalid_prior_is_an_error(sim: Simulator) -> None:
         search(sim, 64, SearchConfig(iterations=2), model=Broken())
 
 
-def test_every_root_action_is_tried_once_before_any_is_refined(sim: Simulator) -> None:
-    actions = candidate_actions(sim)
-    config = SearchConfig(iterations=len(actions), sfb=False, dp_first=False)
-    result = search(sim, 64, config, keep_samples=True)
+def _root_visits(sim: Simulator, iterations: int, model=None, **config) -> np.ndarray:
+    """Visit counts of the root's edges after a search of the general tree alone."""
+    config = SearchConfig(iterations=iterations, sfb=False, dp_first=False, **config)
+    result = search(sim, 64, config, model, keep_samples=True)
     (root,) = [s for s in result.samples if not s.decided]
-    assert list(root.visits) == [1] * len(actions)
-    assert result.evaluations == len(actions)
+    return root.visits
+
+
+def test_widening_admits_root_actions_as_the_root_is_visited(sim: Simulator) -> None:
+    actions = candidate_actions(sim)
+    for iterations in (8, 24, 60):
+        tried = int((_root_visits(sim, iterations) > 0).sum())
+        # Before the last visit the root had iterations - 1 visits: ceil(2 * iterations ** 0.5) admitted.
+        assert 1 < tried <= math.ceil(2.0 * iterations**0.5) < len(actions)
+    # Without widening the root tries every action once before it refines any.
+    assert list(_root_visits(sim, len(actions), widen_c=None)) == [1] * len(actions)
+
+
+def test_widening_tries_the_action_of_highest_prior_first(sim: Simulator) -> None:
+    everything = tuple(range(len(sim.dgroups)))
+    prior = _FavourAction(everything, "ps")
+    first = search(sim, 64, SearchConfig(iterations=1, sfb=False, dp_first=False), model=prior).plan
+    assert first is not None
+    assert all(g.option == "ps" and len(g.placement) == len(everything) for g in first.groups)
+    assert int((_root_visits(sim, 8, prior) > 0).sum()) <= math.ceil(2.0 * 8**0.5)
+
+
+def test_equal_priors_are_admitted_in_an_order_drawn_from_the_seed(sim: Simulator) -> None:
+    tried = [frozenset(np.flatnonzero(_root_visits(sim, 8, seed=seed))) for seed in range(4)]
+    assert tried[0] == frozenset(np.flatnonzero(_root_visits(sim, 8, seed=0)))  # reproducible
+    assert len(set(tried)) > 1  # not the first k actions in list order
+    assert any(min(t) > 0 for t in tried)
+
+
+def test_widening_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="widen_c"):
+        SearchConfig(widen_c=0.0)
+    with pytest.raises(ValueError, match="widen_alpha"):
+        SearchConfig(widen_alpha=1.5)
