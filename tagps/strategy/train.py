@@ -4,11 +4,12 @@
 model on one topology (seeded random topologies following the TAG paper, plus the paper's two presets)
 with the current network as the prior (uniform in the first round), keeps every node the search visited
 at least a few times with the distribution of its visits, and then trains the network on all episodes so
-far to predict those distributions:
+far to predict those distributions over the actions the search tried (:math:`T_s`, those with
+:math:`n(s, a) > 0`; progressive widening leaves the others untried, which says nothing of their worth):
 
 .. math::
-    \\mathcal{L} = -\\sum_{s}\\sum_{a} \\pi_s(a)\\,\\log \\mathrm{softmax}(z_s)_a, \\qquad
-    \\pi_s(a) = \\frac{n(s, a)}{\\sum_b n(s, b)}
+    \\mathcal{L} = -\\sum_{s}\\sum_{a \\in T_s} \\pi_s(a)\\,\\log \\mathrm{softmax}_{T_s}(z_s)_a, \\qquad
+    \\pi_s(a) = \\frac{n(s, a)^{1/\\tau}}{\\sum_{b \\in T_s} n(s, b)^{1/\\tau}}
 
 The defaults stay within about ten minutes on two CPU cores and the weights (~150 KB) are written with the
 command, seed and figures of the run (``tagps/strategy/weights/tag_gnn.json``).
@@ -22,7 +23,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -90,8 +91,11 @@ def _episode_topology(rng: random.Random, episode: int) -> Topology:
 
 
 def _loss(prior: GNNPrior, ctx: SearchContext, sample: NodeSample, temperature: float) -> torch.Tensor:
-    logits = prior.logits(ctx, sample.decided, sample.result, sample.legal)
-    target = torch.as_tensor(sample.visits, dtype=torch.float32) ** (1.0 / temperature)
+    # Over the tried actions only: an action widening never admitted (in round one by a random draw) was
+    # not judged.
+    tried = sample.visits > 0
+    logits = prior.logits(ctx, sample.decided, sample.result, sample.legal[tried])
+    target = torch.as_tensor(sample.visits[tried], dtype=torch.float32) ** (1.0 / temperature)
     target = target / target.sum()
     return -(target * torch.log_softmax(logits, dim=0)).sum()
 
@@ -198,9 +202,10 @@ def iters_to_near_best(
     """The study of a prior's worth: MCTS iterations until a plan within ``tolerance`` of the best known.
 
     On each topology, the best known plan is the best of a uniform search of ``long_factor * cap``
-    iterations and of every prior's search; each prior's search (``cap`` iterations, the general tree alone:
-    ``dp_first=False``, seeded by the topology's position) counts the iterations until its best plan is within
-    ``1 + tolerance`` of it. A topology where nothing fits in memory is skipped.
+    iterations without progressive widening and of every prior's search; each prior's search (``cap``
+    iterations, the general tree alone: ``dp_first=False``, seeded by the topology's position) counts the
+    iterations until its best plan is within ``1 + tolerance`` of it. A topology where nothing fits in memory
+    is skipped.
 
     Args:
         priors: the priors to compare by name (None: uniform).
@@ -218,8 +223,10 @@ def iters_to_near_best(
     for k, topology in enumerate(topologies):
         sim = Simulator(graph, grouping, topology)
         histories = {name: search(sim, batch, _tree_only(cap, k), p).history for name, p in priors.items()}
-        # Another seed than the uniform prior's own search.
-        long = search(sim, batch, _tree_only(long_factor * cap, k + 1_000_000)).history
+        # Another seed than the uniform prior's own search, and no widening: every root action is tried, so
+        # the best known does not hang on which actions a random order admitted.
+        long_config = replace(_tree_only(long_factor * cap, k + 1_000_000), widen_c=None)
+        long = search(sim, batch, long_config).history
         finals = [h[-1][1] for h in (*histories.values(), long) if h]
         if not finals:
             continue

@@ -158,8 +158,10 @@ def test_an_untrained_prior_does_not_pass_the_near_best_study() -> None:
 
     torch.manual_seed(0)
     untrained = GNNPrior(TagGNN(GNNConfig()))
-    topologies = [random_topology(seed) for seed in range(3100, 3106)]
-    cap = 40
+    # Under progressive widening a uniform search reaches near-best within 40 iterations on 2 of these 6
+    # topologies; 12 topologies and 80 iterations keep the comparison from being decided by a few misses.
+    topologies = [random_topology(seed) for seed in range(3100, 3112)]
+    cap = 80
     results = iters_to_near_best(
         {"random": untrained, "uniform": None}, "mlp-mini", topologies, cap, groups=8, long_factor=10
     )
