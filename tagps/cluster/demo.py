@@ -2,10 +2,11 @@
 
 On an emulated cluster when root allows (a fast machine with two devices on 1 Gbit/s and a slow one with a
 quarter core on 200 Mbit/s), otherwise on two local processes: measure the topology, load (or make) the
-simulator's calibration, search a plan with MCTS on the calibrated simulator (op groups may get their own
+simulator's calibration, search a plan with MCTS guided by the shipped GNN prior (``load_prior()``, as
+`tagps plan` and ``bench/e2e_cluster.py`` do) on the calibrated simulator (op groups may get their own
 devices and options: ``tagps.torch.distribute`` runs such plans), train ``vgg-mini`` for a few dozen steps
-with the plan (``tagps.torch``) and with ``DistributedDataParallel``
-(gloo all-reduce), and print measured and predicted step times and the loss of each.
+with the plan (``tagps.torch``) and with ``DistributedDataParallel`` (gloo all-reduce), and print measured
+and predicted step times and the loss of each.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def demo(steps: int = 24, local: bool = False, log: Callable[[str], None] = prin
     from tagps.cluster import ClusterError, check_support
     from tagps.cluster.experiment import Executor, ddp_plan, local_executor, run_plan
     from tagps.strategy.calibration import load_calibration
+    from tagps.strategy.gnn import load_prior
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.mcts import SearchConfig, search
@@ -132,7 +134,7 @@ def demo(steps: int = 24, local: bool = False, log: Callable[[str], None] = prin
         graph = model_graph(MODEL)
         grouping = group_ops(graph, GROUPS)
         sim = cal.simulator(graph, grouping, executor.topology)
-        found = search(sim, BATCH, SearchConfig(iterations=200, seed=0))
+        found = search(sim, BATCH, SearchConfig(iterations=200, seed=0), model=load_prior())
         if found.plan is None:
             raise RuntimeError(f"the search found no feasible plan for {MODEL} on {executor.where}")
         plan = dataclasses.replace(found.plan, topology=executor.topology)
