@@ -29,8 +29,8 @@ Prints a table and writes JSON (default bench/results/search.json) with ``machin
 - the study that can fail (``tagps.strategy.train.iters_to_near_best``): on 20 held-out random topologies
   (seeds never drawn in training) and a held-out model (``vgg-mini``: the shipped GNN trained on the six
   reference models only), the mean MCTS iterations of the tree alone until a plan within 2 % of the best
-  known (a 20x longer uniform search without progressive widening, or any search's best): ``iters_to_near_best_gnn`` and
-  ``iters_to_near_best_uniform``; target GNN <= 1/3 of uniform.
+  known (a 20x longer uniform search without progressive widening, or any search's best):
+  ``iters_to_near_best_gnn`` and ``iters_to_near_best_uniform``; target GNN <= 1/3 of uniform.
 """
 
 from __future__ import annotations
