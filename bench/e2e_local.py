@@ -18,8 +18,11 @@ Two layouts of the same 2 processes, each job with one summation server:
   pushes each process's gradient to the server over loopback.
 
 ``allreduce``, SFB's all-gathers and DDP use gloo over loopback TCP in both layouts. Horovod over gloo
-(``examples/train_synthetic.py --horovod`` under ``horovodrun``, against the same script with ``--ddp``)
-runs only when ``horovod.torch`` is installed; it is never built here.
+runs when ``horovod.torch`` imports (``make bench-deps`` builds it; else it is skipped, with the reason in
+the JSON): ``examples/train_synthetic.py --horovod`` under ``horovodrun --gloo -np 2 -H localhost:2``,
+then the same script with the best tagps method of the ``1x2`` job (``--strategy``, under that layout's
+``bpslaunch``) and with ``--ddp``, back to back: Horovod cannot take turns with the other methods inside
+one job, since its background thread would keep synchronising all along.
 
 Prints a table and writes JSON (default ``bench/results/e2e_local.json``) with ``machine``, ``commands``,
 the raw ``measurements`` (samples/s of both workers together, and every step time) and the ``figures``:
@@ -27,7 +30,9 @@ the raw ``measurements`` (samples/s of both workers together, and every step tim
 - vgg_ps_vs_ddp: VGG19 samples/s with tagps ps / with DDP.
 - vgg_best_vs_ddp: VGG19, the best tagps method / DDP (target >= 1.2).
 - resnet_best_vs_ddp: ResNet-101, the best tagps method / DDP.
-- the same three with ``_2x1``; vgg_horovod_vs_ddp and resnet_horovod_vs_ddp when Horovod is installed.
+- the same three with ``_2x1``.
+- vgg_best_vs_horovod and resnet_best_vs_horovod: the example script with the best tagps method /
+  with Horovod; vgg_horovod_vs_ddp and resnet_horovod_vs_ddp: with Horovod / with DDP.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -65,7 +69,7 @@ LAYOUTS = {
 def machine() -> dict[str, object]:
     return machine_info(
         load_average_at_start=[round(x, 2) for x in os.getloadavg()],
-        horovod_installed=importlib.util.find_spec("horovod") is not None,
+        horovod_installed=horovod_missing() is None,
     )
 
 
@@ -92,22 +96,40 @@ def interleaved(
     return cmd, json.loads(out.read_text())["step_s"]
 
 
-def horovod_vs_ddp(model: str, tmp: Path, commands: dict[str, str]) -> dict[str, float]:
-    """samples/s of the example script on horovod.torch and with DDP (separate runs)."""
-    result = {}
+def example_commands(model: str, strategy: str, out_dir: Path) -> dict[str, list[str]]:
+    """The example script's runs of ``model``: on Horovod (horovodrun), tagps ``strategy`` and DDP."""
     common = [
         str(EXAMPLE), "--model", model, "--image-size", "32", "--batch-size", str(BATCH),
         "--num-threads", "1", "--num-warmup-batches", "2", "--num-batches-per-iter", "3", "--num-iters", "3",
     ]  # fmt: skip
-    horovodrun = ["horovodrun", "--gloo", "-np", str(WORKERS), "-H", f"localhost:{WORKERS}"]
-    bpslaunch = [sys.executable, "-m", "tagps.launcher", "--local", str(WORKERS), "--servers", "0", "--"]
-    for name, prefix, flag in (("horovod", horovodrun, "--horovod"), ("ddp", bpslaunch, "--ddp")):
-        out = tmp / f"{model}-{name}.json"
-        cmd = [*prefix, sys.executable, *common, flag, "--json", str(out)]
+    # horovodrun as the venv has it, whatever PATH says
+    horovodrun = [sys.executable, "-m", "horovod.runner.launch", "--gloo", "-np", str(WORKERS),
+                  "-H", f"localhost:{WORKERS}"]  # fmt: skip
+    bpslaunch = [sys.executable, "-m", "tagps.launcher", *LAYOUTS["1x2"], "--"]
+    ddp_launch = [sys.executable, "-m", "tagps.launcher", "--local", str(WORKERS), "--servers", "0", "--"]
+    runs = {
+        "horovod": [*horovodrun, sys.executable, *common, "--horovod"],
+        "tagps": [*bpslaunch, sys.executable, *common, "--strategy", strategy],
+        "ddp": [*ddp_launch, sys.executable, *common, "--ddp"],
+    }
+    return {name: [*cmd, "--json", str(out_dir / f"{model}-{name}.json")] for name, cmd in runs.items()}
+
+
+def example_runs(model: str, strategy: str, tmp: Path, commands: dict[str, str]) -> dict[str, float]:
+    """samples/s of the example script's runs of ``model`` (:func:`example_commands`), back to back."""
+    result = {}
+    for name, cmd in example_commands(model, strategy, tmp).items():
         commands[f"{model}/example-{name}"] = shlex.join(cmd)
         run(cmd, timeout=1800)
-        result[name] = float(json.loads(out.read_text())["samples_per_s"])
+        result[name] = float(json.loads(Path(cmd[-1]).read_text())["samples_per_s"])
     return result
+
+
+def horovod_missing() -> str | None:
+    """Why Horovod cannot run here, or ``None`` when it can."""
+    if importlib.util.find_spec("horovod") is None:
+        return "horovod.torch does not import (make bench-deps builds it)"
+    return None
 
 
 def main() -> None:
@@ -121,7 +143,8 @@ def main() -> None:
     # "<layout>/<model short name>" -> method -> samples/s (and step times)
     samples: dict[str, dict[str, float]] = {}
     step_times: dict[str, dict[str, list[float]]] = {}
-    horovod = importlib.util.find_spec("horovod") is not None and shutil.which("horovodrun") is not None
+    missing = horovod_missing()
+    skipped = {} if missing is None else {"Horovod": missing}
     with tempfile.TemporaryDirectory(prefix="tagps-e2e-") as tmp:
         for layout in LAYOUTS:
             for short, model in MODELS.items():
@@ -133,9 +156,10 @@ def main() -> None:
                 samples[key] = {m: WORKERS * BATCH / statistics.median(t) for m, t in times.items()}
                 for m, v in samples[key].items():
                     print(f"{layout} {model:10s} {m:14s} {v:8.2f} samples/s", flush=True)
-        if horovod:
+        best = {k: max(TAGPS_METHODS, key=lambda m, k=k: samples[k][m]) for k in step_times}
+        if not skipped:
             for short, model in MODELS.items():
-                found = horovod_vs_ddp(model, Path(tmp), commands)
+                found = example_runs(model, best[f"1x2/{short}"], Path(tmp), commands)
                 samples[f"horovod/{short}"] = {f"example-{k}": v for k, v in found.items()}
     figs: dict[str, float] = {}
     for layout in LAYOUTS:
@@ -145,11 +169,11 @@ def main() -> None:
         for short in MODELS:
             m = samples[f"{layout}/{short}"]
             figs[f"{short}_best_vs_ddp{suffix}"] = max(m[k] for k in TAGPS_METHODS) / m["ddp"]
-    if horovod:
+    if not skipped:
         for short in MODELS:
             h = samples[f"horovod/{short}"]
+            figs[f"{short}_best_vs_horovod"] = h["example-tagps"] / h["example-horovod"]
             figs[f"{short}_horovod_vs_ddp"] = h["example-horovod"] / h["example-ddp"]
-    best = {k: max(TAGPS_METHODS, key=lambda m, k=k: samples[k][m]) for k in step_times}
     doc = {
         "machine": info,
         "commands": commands,
@@ -159,6 +183,7 @@ def main() -> None:
         "measurements": {"samples_per_s": samples, "best_tagps_method": best, "step_s": step_times},
         "figures": figs,
         "targets": TARGETS,
+        "skipped": skipped,
     }  # fmt: skip
     write_json(args.out, doc, indent=1)
     columns = list(step_times)
@@ -172,6 +197,8 @@ def main() -> None:
             "" if target is None else f"  (target >= {target}: {'met' if value >= target else 'MISSED'})"
         )
         print(f"{name:24s} {value:6.3f}{verdict}")
+    for part, reason in skipped.items():
+        print(f"skipped {part}: {reason}")
     print(f"\nwrote {args.out}")
 
 
