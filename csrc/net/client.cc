@@ -60,7 +60,7 @@ struct ClientEngine::Message {
 
 bool Completion::wait(double timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (timeout_s < 0) {
+  if (timeout_s < 0 || timeout_s > 1e8) {  // beyond ~3 years the clock arithmetic could overflow
     cv_.wait(lock, [this] { return done_; });
     return true;
   }
@@ -170,11 +170,9 @@ std::shared_ptr<PushPull> ClientEngine::push_pull(uint64_t index, char* data, si
 }
 
 void ClientEngine::fail(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (fatal_.empty()) fatal_ = reason;
-  }
-  wake();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fatal_.empty()) fatal_ = reason;
+  if (!stopping_) wake();  // once stopping, the I/O thread fails everything anyway
 }
 
 std::string ClientEngine::fatal() const {
@@ -187,11 +185,9 @@ void ClientEngine::close() {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
     closed_ = stopping_ = true;
+    if (thread_.joinable()) wake();
   }
-  if (thread_.joinable()) {
-    wake();
-    thread_.join();
-  }
+  if (thread_.joinable()) thread_.join();
   close_sockets();
 }
 
@@ -204,6 +200,7 @@ void ClientEngine::close_sockets() {
     }
     context_ = nullptr;
   }
+  std::lock_guard<std::mutex> lock(mu_);  // nobody wakes the thread after this
   if (wake_fd_ >= 0) ::close(wake_fd_);
   wake_fd_ = -1;
 }
@@ -216,13 +213,10 @@ void ClientEngine::submit(Command command) {
       stopped = fatal_.empty() ? "the PS client stopped" : fatal_;
     } else {
       commands_.push_back(std::move(command));
+      wake();
     }
   }
-  if (!stopped.empty()) {
-    finish(command, stopped);
-    return;
-  }
-  wake();
+  if (!stopped.empty()) finish(command, stopped);
 }
 
 void ClientEngine::wake() {

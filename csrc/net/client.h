@@ -137,7 +137,7 @@ class ClientEngine {
   static bool receive(void* socket, Message& m);
   static void finish(const Command& command, const std::string& error);
   void submit(Command command);
-  void wake();
+  void wake();  // with mu_ held, so that close_sockets() cannot close the eventfd meanwhile
   void close_sockets();
   void run();
   bool run_commands();  // false once close() asked the thread to stop
