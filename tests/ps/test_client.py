@@ -116,8 +116,10 @@ class _ScriptedServer:
         )
         self.socket.send_multipart([identity, head, payload] if payload else [identity, head])
 
-    def close(self) -> None:
-        self._thread.join(timeout=30)
+    def close(self, shutdown: bool = True) -> None:
+        """Stop (after the scheduler's SHUTDOWN when ``shutdown``, which a failed client never causes)."""
+        if shutdown:
+            self._thread.join(timeout=30)
         self._stop.set()
         self._thread.join()
         self.link.close()
@@ -184,3 +186,28 @@ def test_chunks_are_the_fewest_of_equal_size_within_the_partition(ps_job, elemen
             buf = np.arange(elements, dtype=np.float32)
             client.wait(client.push_pull("t", buf, average=False), timeout=20)
             np.testing.assert_array_equal(buf, np.arange(elements, dtype=np.float32))
+
+
+@pytest.mark.timeout(60)
+def test_server_error_fails_the_handle_and_then_the_client_with_its_text(ps_job) -> None:
+    with ps_job(num_workers=1, num_servers=1, server_args=[]) as job:
+        server = _ScriptedServer(job.client_config(0))
+        client = PSClient(job.client_config(0))
+        try:
+            client.declare("a", 8, np.float32)
+            flush = threading.Thread(target=client.flush_declarations)
+            flush.start()
+            identity, header = server.receive(Op.INIT)
+            server.reply(identity, Op.INIT_ACK, header)
+            flush.join(timeout=10)
+            handle = client.push_pull("a", np.ones(2, np.float32))
+            identity, header = server.receive(Op.PUSH)
+            server.reply(identity, Op.ERROR, header, b"server 0: the reason \xff")
+            reason = "server 0 rejected a request for key 0 round 0: server 0: the reason \ufffd"
+            with pytest.raises(RuntimeError, match=f"push_pull of 'a' failed: {reason}"):
+                client.wait(handle, timeout=10)
+            with pytest.raises(RuntimeError, match=f"the PS job failed: {reason}"):
+                client.push_pull("a", np.ones(2, np.float32))
+        finally:
+            client.close()
+            server.close(shutdown=False)
