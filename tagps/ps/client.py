@@ -107,7 +107,7 @@ class _Chunk:
     server: int
     start: int  # element offset in the flat buffer
     stop: int
-    round: int = 0
+    round: int = 0  # next round of the key; the cpp engine keeps its own and sets this one at declaration
 
 
 @dataclass
