@@ -137,6 +137,10 @@ class CommConfig:
             default 1), through the rendezvous store.
         heartbeat_timeout: seconds of silence after which a worker counts as dead and every wait of the
             others raises naming it (``PS_HEARTBEAT_TIMEOUT``, default 10).
+        register_timeout: seconds the rendezvous waits for every worker process to join
+            (``PS_REGISTER_TIMEOUT``, default 120), as servers and workers wait for the scheduler.
+        shm_dir: directory of the shared-memory arenas of the local reduction (``TAGPS_SHM_DIR``, default
+            ``/dev/shm``; ``bpslaunch`` gives its workers a private directory inside it).
     """
 
     num_worker: int = 1
@@ -155,6 +159,8 @@ class CommConfig:
     device: str | None = None
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    register_timeout: float = 120.0
+    shm_dir: str = "/dev/shm"
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_id < self.num_worker:
@@ -216,6 +222,8 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
         device=_read(env, "TAGPS_DEVICE", str.strip, None) or None,
         heartbeat_interval=interval,
         heartbeat_timeout=timeout,
+        register_timeout=_read(env, "PS_REGISTER_TIMEOUT", _float(0.0, strict=True), 120.0),
+        shm_dir=_read(env, "TAGPS_SHM_DIR", str.strip, "/dev/shm"),
     )
 
 
@@ -488,10 +496,13 @@ class LauncherConfig:
             which sets every role itself.
         local_size: worker processes to start on this machine (``BYTEPS_LOCAL_SIZE``; default: the count in
             ``CUDA_VISIBLE_DEVICES``, else in ``NVIDIA_VISIBLE_DEVICES``, else 1).
+        shm_dir: where the job's private shared-memory directory is made (``TAGPS_SHM_DIR``, default
+            ``/dev/shm``).
     """
 
     role: str | None = None
     local_size: int = 1
+    shm_dir: str = "/dev/shm"
 
     def __post_init__(self) -> None:
         if self.role not in (None, "worker", "server", "scheduler"):
@@ -501,8 +512,8 @@ class LauncherConfig:
 
 
 def launcher_config(env: Mapping[str, str] = os.environ, *, local: bool = False) -> LauncherConfig:
-    """Read ``DMLC_ROLE`` (required unless ``local``) and the local size (``BYTEPS_LOCAL_SIZE``,
-    ``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``)."""
+    """Read ``DMLC_ROLE`` (required unless ``local``), the local size (``BYTEPS_LOCAL_SIZE``,
+    ``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``) and ``TAGPS_SHM_DIR``."""
     role = None if local else _read(env, "DMLC_ROLE", _choice("worker", "server", "scheduler"), required=True)
     local_size = _read(env, "BYTEPS_LOCAL_SIZE", _int(1), None)
     if local_size is None:
@@ -510,7 +521,8 @@ def launcher_config(env: Mapping[str, str] = os.environ, *, local: bool = False)
             if name in env:
                 local_size = _read(env, name, _device_count, 0) or 1
                 break
-    return LauncherConfig(role=role, local_size=local_size or 1)
+    shm_dir = _read(env, "TAGPS_SHM_DIR", str.strip, "/dev/shm")
+    return LauncherConfig(role=role, local_size=local_size or 1, shm_dir=shm_dir)
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,18 @@ a ``SIGKILL`` of bpslaunch itself leaves no worker behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -461,6 +464,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _job_shm_dir(base: str) -> Iterator[str]:
+    """Make a private directory in ``base`` for the job's shared-memory arenas; remove it, whatever is left
+    in it, once every child is reaped (a process killed between creating an arena and unlinking it, or
+    stopped with SIGTERM, cannot remove its own)."""
+    try:
+        path = tempfile.mkdtemp(prefix="tagps-job-", dir=base)
+    except OSError as exc:
+        raise ValueError(f"TAGPS_SHM_DIR={base!r}: cannot make the job's arena directory: {exc}") from None
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``bpslaunch`` and return its exit status."""
     parser = _parser()
@@ -469,15 +487,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.local is None and (args.local_size is not None or args.servers is not None):
         parser.error("--servers and --local-size only apply with --local")
     try:
-        if args.local is not None:
-            local_size = args.local_size or launcher_config(os.environ, local=True).local_size
-            servers = 1 if args.servers is None else args.servers
-            specs = local_job(command, args.local, servers, local_size)
-        else:
-            specs = role_job(command)
-            if specs[0].service and command:
-                print(f"bpslaunch: DMLC_ROLE={specs[0].label} ignores the command", file=sys.stderr)
-        return run_processes(specs, grace=args.grace)
+        cfg = launcher_config(os.environ, local=args.local is not None)
+        with _job_shm_dir(cfg.shm_dir) as shm_dir:
+            env = {**os.environ, "TAGPS_SHM_DIR": shm_dir}
+            if args.local is not None:
+                servers = 1 if args.servers is None else args.servers
+                specs = local_job(command, args.local, servers, args.local_size or cfg.local_size, env)
+            else:
+                specs = role_job(command, env)
+                if specs[0].service and command:
+                    print(f"bpslaunch: DMLC_ROLE={specs[0].label} ignores the command", file=sys.stderr)
+            return run_processes(specs, grace=args.grace)
     except (ConfigError, ValueError) as exc:
         print(f"bpslaunch: error: {exc}", file=sys.stderr)
         return 2

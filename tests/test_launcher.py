@@ -562,3 +562,27 @@ def _processes_with(variable: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def test_workers_share_a_shm_dir_that_is_removed_with_what_a_killed_worker_left(tmp_path: Path) -> None:
+    base = tmp_path / "shm"
+    base.mkdir()
+    # Each worker leaves an "arena" in the directory it was given, then dies with SIGKILL.
+    script = (
+        "import os, pathlib, signal; d = pathlib.Path(os.environ['TAGPS_SHM_DIR']); "
+        "(d / os.environ['BYTEPS_LOCAL_RANK']).write_bytes(b'x'); print(d, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    res = _bpslaunch(
+        *_local(1, 0, sys.executable, "-c", script, local_size=2), env=_clean_env(TAGPS_SHM_DIR=str(base))
+    )
+    assert res.returncode == 128 + signal.SIGKILL, res.stdout + res.stderr
+    dirs = {line.partition("] ")[2] for line in res.stdout.splitlines() if line.startswith("[worker")}
+    assert len(dirs) == 1 and Path(dirs.pop()).parent == base, res.stdout
+    assert list(base.iterdir()) == []
+
+
+def test_a_shm_dir_that_cannot_be_made_is_refused_by_name(tmp_path: Path, child: tuple[Path, Path]) -> None:
+    missing = tmp_path / "no-such-dir"
+    res = _bpslaunch(*_local(1, 0, *_child_argv(child, "ok")), env=_clean_env(TAGPS_SHM_DIR=str(missing)))
+    assert res.returncode == 2 and f"TAGPS_SHM_DIR='{missing}'" in res.stderr, res.stderr

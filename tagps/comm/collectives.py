@@ -17,15 +17,26 @@ and makes every wait raise :class:`~tagps.comm.handle.PeerFailed` (see :func:`~t
 from __future__ import annotations
 
 import datetime
+import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
-from tagps.comm.handle import CompletedWork, Waitable, clear_failure, failure, report_failure, wait_work
+from tagps.comm.handle import (
+    CompletedWork,
+    PeerFailed,
+    Waitable,
+    clear_failure,
+    failure,
+    report_failure,
+    wait_work,
+)
 from tagps.config import CommConfig, ConfigError
 
 __all__ = [
@@ -51,6 +62,8 @@ __all__ = [
     "shutdown_process_group",
     "uses_nccl",
 ]
+
+log = logging.getLogger(__name__)
 
 _owned = False
 _watcher: PeerWatcher | None = None  # runs while the group init_process_group() created exists
@@ -157,7 +170,7 @@ def init_process_group(cfg: CommConfig) -> None:
         ConfigError: when no rendezvous port is known for a multi-process job.
         RuntimeError: when an existing process group disagrees with ``cfg`` about rank or size.
     """
-    global _owned, _watcher
+    global _owned, _watcher, _previous_excepthook
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (cfg.rank, cfg.size):
             raise RuntimeError(
@@ -184,6 +197,20 @@ def init_process_group(cfg: CommConfig) -> None:
     else:
         clear_failure(confirm_s=cfg.heartbeat_timeout + cfg.heartbeat_interval)
         _watcher = PeerWatcher(cfg, _prefix())
+        if sys.excepthook is not _excepthook:
+            _previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """An uncaught exception ends this rank: make it the job's verdict, so that the other ranks raise naming
+    this rank and the error within an interval, and so that leaving skips the barrier, which peers blocked
+    in another collective would never reach."""
+    _previous_excepthook(kind, value, tb)
+    if _watcher is not None and failure() is None:
+        _watcher.fail(f"worker rank {dist.get_rank()} failed ({kind.__name__}: {value})")
 
 
 # One TCPStore per process and rendezvous address, kept across shutdown() and init(): rebinding the master's
@@ -200,11 +227,46 @@ def _rendezvous_store(cfg: CommConfig, timeout: datetime.timedelta) -> dist.Stor
     key = (cfg.root_uri, cfg.dist_port, cfg.size, cfg.rank)
     store = _stores.get(key)
     if store is None:
-        store = _stores[key] = dist.TCPStore(
-            cfg.root_uri, cfg.dist_port, cfg.size, is_master=cfg.rank == 0, timeout=timeout
-        )
+        store = _join(cfg)
+        store.set_timeout(timeout)
+        _stores[key] = store
     _generation += 1
     return dist.PrefixStore(_prefix(), store)
+
+
+def _join(cfg: CommConfig) -> dist.TCPStore:
+    """Connect to (rank 0: serve) the rendezvous store and wait, ``PS_REGISTER_TIMEOUT`` at most, until every
+    rank has; a rank that does not join, or rank 0's store going away, is named instead of timing out after
+    ``TAGPS_DIST_TIMEOUT`` with a count."""
+    where = f"{cfg.root_uri}:{cfg.dist_port}"
+    serving = f"worker rank 0, which serves the rendezvous store at {where},"
+    deadline = time.monotonic() + cfg.register_timeout
+    try:
+        store = dist.TCPStore(
+            cfg.root_uri, cfg.dist_port, cfg.size, is_master=cfg.rank == 0, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=cfg.register_timeout),
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
+        raise PeerFailed(
+            f"{serving} did not answer within {cfg.register_timeout:g} s (PS_REGISTER_TIMEOUT): {exc}"
+        ) from None
+    keys = [f"tagps/joined/{r}" for r in range(cfg.size)]
+    try:
+        store.set(keys[cfg.rank], "1")
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [str(r) for r, k in enumerate(keys) if not store.check([k])]
+                who = f"worker rank{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
+                raise PeerFailed(
+                    f"{who} did not join the rendezvous at {where} within {cfg.register_timeout:g} s "
+                    "(PS_REGISTER_TIMEOUT)"
+                )
+            time.sleep(0.05)
+    except PeerFailed:
+        raise
+    except RuntimeError as exc:  # the store's connection broke: its server, rank 0, is gone
+        raise PeerFailed(f"{serving} failed during the rendezvous: {exc}") from None
+    return store
 
 
 def _prefix() -> str:
@@ -237,6 +299,8 @@ class PeerWatcher:
         self._verdict = f"{prefix}failed"
         self._seen = f"{prefix}failed-seen"
         self._stop = threading.Event()
+        self._seen_lock = threading.Lock()
+        self._seen_marked = False
         self._thread = threading.Thread(target=self._run, name="tagps-peer-watcher", daemon=True)
         self._thread.start()
 
@@ -245,6 +309,23 @@ class PeerWatcher:
         failure, once the other ranks have read the verdict."""
         self._stop.set()
         self._thread.join(timeout=self._cfg.heartbeat_timeout + self._cfg.heartbeat_interval)
+
+    def fail(self, message: str) -> None:
+        """Make ``message`` the job's verdict, unless another rank's came first, and this process's failure;
+        on rank 0, keep serving the store until the other ranks have read it (at most the heartbeat
+        timeout)."""
+        cfg = self._cfg
+        try:
+            store = dist.TCPStore(
+                cfg.root_uri, cfg.dist_port, is_master=False, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=cfg.heartbeat_timeout),
+            )  # fmt: skip
+            report_failure(store.compare_set(self._verdict, "", message).decode() or message)
+            self._mark_seen(store)
+            if cfg.rank == 0:
+                self._serve_until_seen(store)
+        except RuntimeError:  # the store is gone with rank 0: the others name it on their own
+            report_failure(message)
 
     def _run(self) -> None:
         cfg = self._cfg
@@ -267,16 +348,20 @@ class PeerWatcher:
                 for r, count in enumerate(counts):
                     if int(count) != last[r]:
                         last[r], moved[r] = int(count), now
-                dead = next((r for r in range(cfg.size) if now - moved[r] > cfg.heartbeat_timeout), None)
-                if dead is not None and not verdict:
+                # Every silent rank, longest silent first: a machine's launcher stops the other local ranks
+                # of a dead one at once, and naming only the first would often name one of those.
+                silent = [r for r in range(cfg.size) if now - moved[r] > cfg.heartbeat_timeout]
+                dead = sorted(silent, key=moved.__getitem__)
+                if dead and not verdict:
+                    ranks = ", ".join(map(str, dead))
                     verdict = store.compare_set(
                         self._verdict, "",
-                        f"worker rank {dead} failed (sent no heartbeat for {now - moved[dead]:.0f} s, "
-                        f"PS_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g})",
+                        f"worker rank{'s' if len(dead) > 1 else ''} {ranks} failed (sent no heartbeat for "
+                        f"{now - moved[dead[0]]:.0f} s, PS_HEARTBEAT_TIMEOUT={cfg.heartbeat_timeout:g})",
                     )  # fmt: skip
                 if verdict:
                     report_failure(verdict.decode())
-                    store.add(self._seen, 1)
+                    self._mark_seen(store)
                     if cfg.rank == 0:
                         self._serve_until_seen(store)
                     return
@@ -290,6 +375,13 @@ class PeerWatcher:
                 )
 
 
+    def _mark_seen(self, store: dist.TCPStore) -> None:
+        """Count this rank among those that read the verdict, once (both threads may read it)."""
+        with self._seen_lock:
+            if not self._seen_marked:
+                store.add(self._seen, 1)
+                self._seen_marked = True
+
     def _serve_until_seen(self, store: dist.TCPStore) -> None:
         """Return once every rank but the dead one has read the verdict, or after the heartbeat timeout."""
         deadline = time.monotonic() + self._cfg.heartbeat_timeout
@@ -301,6 +393,8 @@ def shutdown_process_group() -> None:
     """Leave the process group, together with the other ranks, if :func:`init_process_group` created it."""
     global _owned, _bound, _watcher
     _bound = None
+    if failure() is not None:  # every rank's output names what ended the job
+        log.error("tagps: the job failed: %s", failure())
     if _owned and dist.is_initialized():
         # Leave together: a gloo rank that tears down its pairs and store while a peer is still closing
         # makes that peer abort in std::terminate (exit 134; 2 of 8 two-worker runs of

@@ -244,8 +244,9 @@ class PSService(_Summation):
         # One machine's local sum is already the global sum: no push and pull is needed.
         cross = self._cross if self._client is not None and cfg.num_worker > 1 else None
         self._reducer = LocalReducer(
-            range(cfg.local_size), groups, cfg.local_rank, cfg.worker_id, cross, cfg.dist_timeout_s
-        )
+            range(cfg.local_size), groups, cfg.local_rank, cfg.worker_id, cross, cfg.dist_timeout_s,
+            cfg.shm_dir,
+        )  # fmt: skip
         # CUDA tensors of a switch group reduce over NCCL first; then only the leaders meet on the host.
         self._switch: tuple[Any, int] | None = None
         self._leaders: LocalReducer | None = None
@@ -253,8 +254,9 @@ class PSService(_Summation):
             self._switch = self._switch_groups(cfg, groups)
             leaders = [g[0] for g in groups]
             self._leaders = LocalReducer(
-                leaders, [[r] for r in leaders], cfg.local_rank, cfg.worker_id, cross, cfg.dist_timeout_s
-            )
+                leaders, [[r] for r in leaders], cfg.local_rank, cfg.worker_id, cross, cfg.dist_timeout_s,
+                cfg.shm_dir,
+            )  # fmt: skip
 
     @staticmethod
     def _switch_groups(cfg: CommConfig, groups: tuple[tuple[int, ...], ...]) -> tuple[Any, int]:
@@ -342,6 +344,7 @@ class PSSubset(_Summation):
             cfg.worker_id,
             cross=self._cross if pusher else None,
             timeout=cfg.dist_timeout_s,
+            shm_dir=cfg.shm_dir,
         )
 
     def __repr__(self) -> str:

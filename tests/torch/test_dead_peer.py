@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,8 @@ HEARTBEAT_INTERVAL = 0.5
 DIST_TIMEOUT = 60
 
 # argv: steps, the step at which the victim sends itself a signal (-1: never), a file where it writes the time
-# it did, the step at which rank 1 computes for twice the heartbeat timeout (-1: never), the signal's name,
-# the victim's rank.
+# it did, the step at which rank 1 computes for twice the heartbeat timeout (-1: never), the signal's name
+# (another name: the victim raises ValueError instead), the victim's rank.
 WORKER = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -35,13 +36,15 @@ WORKER = textwrap.dedent(
     import tagps.torch as bps
 
     steps, kill_at, died, slow_at = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-    sig, victim = getattr(signal, sys.argv[5]), int(sys.argv[6])
+    sig, victim = getattr(signal, sys.argv[5], None), int(sys.argv[6])
     bps.init()
     expected = sum(range(1, bps.size() + 1))
     try:
         for step in range(steps):
             if bps.rank() == victim and step == kill_at:
                 died.write_text(repr(time.time()))
+                if sig is None:  # an error this rank does not catch
+                    raise ValueError(f"boom at step {step}")
                 os.kill(os.getpid(), sig)
             if bps.rank() == 1 and step == slow_at:
                 time.sleep(2 * float(os.environ["PS_HEARTBEAT_TIMEOUT"]))
@@ -58,17 +61,17 @@ WORKER = textwrap.dedent(
 
 def _start(
     script: Path, steps: int, kill_at: int, died: Path, *, slow_at: int = -1, sig: str = "SIGKILL",
-    victim: int = 2,
+    victim: int = 2, ranks: Sequence[int] = range(WORKERS), register_timeout: float = DIST_TIMEOUT,
 ) -> list[subprocess.Popen[str]]:  # fmt: skip
-    """Start the workers, each as its own machine, on a fresh rendezvous port."""
+    """Start the workers ``ranks``, each as its own machine, on a fresh rendezvous port."""
     port = free_ports(1)[0]
     procs = []
-    for rank in range(WORKERS):
+    for rank in ranks:
         env = {
             **os.environ,
             "DMLC_NUM_WORKER": str(WORKERS), "DMLC_WORKER_ID": str(rank), "DMLC_NUM_SERVER": "0",
             "DMLC_PS_ROOT_URI": "127.0.0.1", "TAGPS_DIST_PORT": str(port),
-            "TAGPS_DIST_TIMEOUT": str(DIST_TIMEOUT),
+            "TAGPS_DIST_TIMEOUT": str(DIST_TIMEOUT), "PS_REGISTER_TIMEOUT": str(register_timeout),
             "PS_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL), "PS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
         }  # fmt: skip
         args = (steps, kill_at, died, slow_at, sig, victim)
@@ -128,3 +131,41 @@ def test_no_false_alarm_when_a_rank_is_merely_late(tmp_path: Path) -> None:
     results = _finish(_start(script, 200, -1, tmp_path / "died", slow_at=100), timeout=120)
     for rank, (status, out, _) in enumerate(results):
         assert status == 0 and "done 200" in out, f"rank {rank} ({status}):\n{out[-3000:]}"
+
+
+# Rank 0 serves the rendezvous store: without it the others cannot even connect.
+@pytest.mark.parametrize(
+    ("absent", "named"), [(2, "worker rank 2 did not join"), (0, "worker rank 0, which serves")]
+)
+def test_a_rank_that_never_joins_is_named_within_the_register_timeout(
+    tmp_path: Path, absent: int, named: str
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    ranks = [r for r in range(WORKERS) if r != absent]
+    start = time.monotonic()
+    procs = _start(script, 10, -1, tmp_path / "died", ranks=ranks, register_timeout=5.0)
+    for rank, (status, out, _) in zip(ranks, _finish(procs, timeout=DIST_TIMEOUT), strict=True):
+        assert status != 0 and named in out, f"rank {rank} ({status}):\n{out[-3000:]}"
+        assert "within 5 s (PS_REGISTER_TIMEOUT)" in out, out[-3000:]
+    # They waited TAGPS_DIST_TIMEOUT (60 s) after starting before; now the register timeout plus start-up.
+    assert time.monotonic() - start < DIST_TIMEOUT
+
+
+def test_an_uncaught_error_on_one_rank_is_named_on_every_other_rank(tmp_path: Path) -> None:
+    """Rank 2 raises out of its script while the others wait in an allreduce: they raise naming it and its
+    error within an interval or two (its heartbeats go on until it exits), and nobody waits for a barrier."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    died = tmp_path / "died"
+    procs = _start(script, 100_000, 30, died, sig="raise")
+    results = _finish(procs, timeout=DIST_TIMEOUT)
+    raised_at = float(died.read_text())
+    assert results[2][0] == 1 and "ValueError: boom at step 30" in results[2][1], results[2][1][-3000:]
+    for rank in (0, 1):
+        status, out, exited_at = results[rank]
+        match = re.search(r"raised at ([0-9.]+): (.*)", out)
+        assert status == 3 and match, f"rank {rank} ({status}):\n{out[-3000:]}"
+        assert "worker rank 2 failed (ValueError: boom at step 30)" in match[2], match[2]
+        assert float(match[1]) - raised_at < HEARTBEAT_TIMEOUT, (rank, float(match[1]) - raised_at)
+        assert exited_at - raised_at < HEARTBEAT_TIMEOUT + 5.0, (rank, exited_at - raised_at)
