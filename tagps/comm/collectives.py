@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,11 +60,13 @@ __all__ = [
     "layout_extra",
     "layout_tensor",
     "layout_zeros",
+    "run_blocking",
     "shutdown_process_group",
     "uses_nccl",
 ]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _owned = False
 _watcher: PeerWatcher | None = None  # runs while the group init_process_group() created exists
@@ -267,6 +270,45 @@ def _join(cfg: CommConfig) -> dist.TCPStore:
     except RuntimeError as exc:  # the store's connection broke: its server, rank 0, is gone
         raise PeerFailed(f"{serving} failed during the rendezvous: {exc}") from None
     return store
+
+
+class _ThreadWork:
+    """A blocking ``torch.distributed`` call on a daemon thread, as a work that :func:`wait_work` waits for in
+    slices: object collectives and gloo's point-to-point receives have no future of their own."""
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self._future: torch.futures.Future[object] = torch.futures.Future()
+        threading.Thread(target=self._run, args=(call,), name="tagps-blocking-call", daemon=True).start()
+
+    def _run(self, call: Callable[[], object]) -> None:
+        try:
+            if _bound is not None:  # the current device is per thread; object collectives use it under NCCL
+                torch.cuda.set_device(_bound)
+            self._future.set_result(call())
+        except BaseException as exc:  # handed to the waiting thread
+            self._future.set_exception(exc)
+
+    def get_future(self) -> torch.futures.Future[object]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> object:
+        return self._future.wait()
+
+
+def run_blocking(call: Callable[[], _T]) -> _T:
+    """Run a blocking ``torch.distributed`` call so that a dead peer ends it as it ends every wait.
+
+    The call runs on a daemon thread while this one waits in slices: once the watcher names a dead rank,
+    :class:`~tagps.comm.handle.PeerFailed` is raised within ``PS_HEARTBEAT_TIMEOUT`` instead of
+    ``TAGPS_DIST_TIMEOUT`` (the call stays blocked on its thread until the group is dropped). Without a
+    watcher (a job of one process, or a group the caller made) it is called directly.
+    """
+    if _watcher is None:
+        return call()
+    return wait_work(_ThreadWork(call))  # type: ignore[return-value]
 
 
 def _prefix() -> str:

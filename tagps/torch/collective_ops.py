@@ -870,4 +870,4 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of the set reached this call."""
     group = group_of(process_set)
     if _set_size(process_set) > 1:
-        dist.barrier(group=group)
+        wait(Handle([dist.barrier(group=group, async_op=True)], lambda: torch.empty(0)))

@@ -25,6 +25,7 @@ had trained the global batch. These are the semantics the simulator costs (``doc
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from tagps.comm import collectives
 from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.config import CommConfig
@@ -190,7 +192,7 @@ class DistributedModel(nn.Module):
         errors: list[str | None] = [error]
         if dist.get_world_size() > 1:
             errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
+            collectives.run_blocking(lambda: dist.all_gather_object(errors, error))
         failed = [e for e in errors if e]
         if failed:
             raise PlanError(
@@ -696,7 +698,7 @@ class DistributedModel(nn.Module):
     def _recv(self, piece: _Piece, info: _ValueInfo) -> torch.Tensor:
         n = piece.hi - piece.lo if piece.lo >= 0 else 0
         buf = torch.empty(info.rows_shape(n), dtype=info.dtype)
-        dist.recv(buf, piece.src, tag=piece.tag)
+        collectives.run_blocking(functools.partial(dist.recv, buf, piece.src, tag=piece.tag))
         return buf
 
     def _incoming_grad(
@@ -716,7 +718,7 @@ class DistributedModel(nn.Module):
                     continue
                 n = piece.hi - piece.lo if piece.lo >= 0 else 0
                 buf = torch.empty(info.rows_shape(n), dtype=info.dtype)
-                dist.recv(buf, piece.src, tag=piece.tag)
+                collectives.run_blocking(functools.partial(dist.recv, buf, piece.src, tag=piece.tag))
                 if total is None:
                     total = torch.zeros(info.rows_shape(hi - lo), dtype=info.dtype)
                 target = info.narrow(total, piece.lo - lo, n) if piece.lo >= 0 else total

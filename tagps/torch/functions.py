@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tagps.comm.collectives import run_blocking
+from tagps.comm.handle import wait_work
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
@@ -47,7 +49,7 @@ def broadcast_parameters(
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"params[{name!r}] is a {type(tensor).__name__}, not a tensor")
         if size > 1:
-            dist.broadcast(tensor.detach(), src=root_rank, group=group)
+            wait_work(dist.broadcast(tensor.detach(), src=root_rank, group=group, async_op=True))
 
 
 def broadcast_object(
@@ -67,7 +69,7 @@ def broadcast_object(
     group, size = _group_and_size(process_set, root_rank)
     box = [obj]
     if size > 1:
-        dist.broadcast_object_list(box, src=root_rank, group=group)
+        run_blocking(lambda: dist.broadcast_object_list(box, src=root_rank, group=group))
     return box[0]
 
 
@@ -87,7 +89,7 @@ def allgather_object(
     group, size = _group_and_size(process_set)
     gathered: list[object] = [obj] if size == 1 else [None] * size
     if size > 1:
-        dist.all_gather_object(gathered, obj, group=group)
+        run_blocking(lambda: dist.all_gather_object(gathered, obj, group=group))
     return gathered
 
 

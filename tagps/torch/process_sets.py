@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tagps.comm.collectives import run_blocking
+from tagps.comm.handle import wait_work
 from tagps.torch import ops
 
 __all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]
@@ -105,7 +107,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ValueError(f"process set ranks must be a non-empty subset of [0, {size}), got {ps.ranks}")
     if size > 1:
         everyone: list[Any] = [None] * size
-        dist.all_gather_object(everyone, ps.ranks)
+        run_blocking(lambda: dist.all_gather_object(everyone, ps.ranks))
         differing = [r for r, ranks in enumerate(everyone) if ranks != ps.ranks]
         if differing:
             raise ValueError(
@@ -116,7 +118,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if ps.ranks == list(range(size)) or any(other.ranks == ps.ranks for other in _registered.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
     # new_group is collective over the whole job: every worker creates every subgroup, members or not.
-    ps._group = dist.new_group(ps.ranks) if size > 1 else None
+    ps._group = run_blocking(lambda: dist.new_group(ps.ranks)) if size > 1 else None
     ps.process_set_id = _next_id
     _next_id += 1
     _registered[ps.process_set_id] = ps
@@ -135,7 +137,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set._group is not None:
         # Tear down together: a gloo rank that closes its pairs while a peer still uses them makes that
         # peer abort in std::terminate (seen in about 1 of 5 runs of the process-set tests without this).
-        dist.barrier()
+        wait_work(dist.barrier(async_op=True))
         dist.destroy_process_group(process_set._group)
     process_set._group = None
     process_set.process_set_id = None

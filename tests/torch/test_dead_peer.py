@@ -27,7 +27,8 @@ DIST_TIMEOUT = 60
 
 # argv: steps, the step at which the victim sends itself a signal (-1: never), a file where it writes the time
 # it did, the step at which rank 1 computes for twice the heartbeat timeout (-1: never), the signal's name
-# (another name: the victim raises ValueError instead), the victim's rank.
+# (another name: the victim raises ValueError instead), the victim's rank, the collective of each step
+# (allreduce or allgather_object).
 WORKER = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -36,7 +37,7 @@ WORKER = textwrap.dedent(
     import tagps.torch as bps
 
     steps, kill_at, died, slow_at = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-    sig, victim = getattr(signal, sys.argv[5], None), int(sys.argv[6])
+    sig, victim, op = getattr(signal, sys.argv[5], None), int(sys.argv[6]), sys.argv[7]
     bps.init()
     expected = sum(range(1, bps.size() + 1))
     try:
@@ -48,6 +49,10 @@ WORKER = textwrap.dedent(
                 os.kill(os.getpid(), sig)
             if bps.rank() == 1 and step == slow_at:
                 time.sleep(2 * float(os.environ["PS_HEARTBEAT_TIMEOUT"]))
+            if op == "allgather_object":  # blocking, with no work to wait for in slices
+                if bps.allgather_object(bps.rank()) != list(range(bps.size())):
+                    raise SystemExit(f"step {step}: allgather_object is wrong")
+                continue
             out = bps.allreduce(torch.full((4096,), float(bps.rank() + 1)), average=False, name="x")
             if float(out[0]) != expected:
                 raise SystemExit(f"step {step}: {float(out[0])} != {expected}")
@@ -62,6 +67,7 @@ WORKER = textwrap.dedent(
 def _start(
     script: Path, steps: int, kill_at: int, died: Path, *, slow_at: int = -1, sig: str = "SIGKILL",
     victim: int = 2, ranks: Sequence[int] = range(WORKERS), register_timeout: float = DIST_TIMEOUT,
+    op: str = "allreduce",
 ) -> list[subprocess.Popen[str]]:  # fmt: skip
     """Start the workers ``ranks``, each as its own machine, on a fresh rendezvous port."""
     port = free_ports(1)[0]
@@ -74,7 +80,7 @@ def _start(
             "TAGPS_DIST_TIMEOUT": str(DIST_TIMEOUT), "PS_REGISTER_TIMEOUT": str(register_timeout),
             "PS_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL), "PS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
         }  # fmt: skip
-        args = (steps, kill_at, died, slow_at, sig, victim)
+        args = (steps, kill_at, died, slow_at, sig, victim, op)
         cmd = [sys.executable, str(script), *map(str, args)]
         pipe, merged = subprocess.PIPE, subprocess.STDOUT
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=pipe, stderr=merged, text=True))
@@ -98,14 +104,19 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[in
 # SIGKILL: the victim's gloo neighbours see its connections close, and wait for the watcher to name it.
 # SIGSTOP: its connections stay open, so only the heartbeats can end the survivors' waits.
 # Rank 0 serves the rendezvous store: its death is seen as the store's.
-@pytest.mark.parametrize(("victim", "sig"), [(2, "SIGKILL"), (2, "SIGSTOP"), (0, "SIGKILL")])
+# allgather_object blocks without a work to wait for: it runs on a helper thread the caller waits for.
+@pytest.mark.parametrize(
+    ("victim", "sig", "op"),
+    [(2, "SIGKILL", "allreduce"), (2, "SIGSTOP", "allreduce"), (0, "SIGKILL", "allreduce"),
+     (2, "SIGSTOP", "allgather_object")],
+)  # fmt: skip
 def test_a_dead_worker_is_named_on_every_rank_within_the_heartbeat_timeout(
-    tmp_path: Path, victim: int, sig: str
+    tmp_path: Path, victim: int, sig: str, op: str
 ) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     died = tmp_path / "died"
-    procs = _start(script, 100_000, 30, died, sig=sig, victim=victim)
+    procs = _start(script, 100_000, 30, died, sig=sig, victim=victim, op=op)
     survivors = [r for r in range(WORKERS) if r != victim]
     results = dict(zip(survivors, _finish([procs[r] for r in survivors], timeout=DIST_TIMEOUT), strict=True))
     procs[victim].kill()  # when it is only stopped
