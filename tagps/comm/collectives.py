@@ -62,6 +62,7 @@ __all__ = [
     "layout_zeros",
     "run_blocking",
     "shutdown_process_group",
+    "start_layout_check",
     "uses_nccl",
 ]
 
@@ -530,6 +531,13 @@ def _layouts(
     tensor: torch.Tensor, group: object | None, kind: str, extra: tuple[int, ...] = (), zeros: int = -1
 ) -> list[list[int]]:
     """Every group rank's ``[first dim, dtype, ndim, kind, zeros, *extra, *other dims]`` (-1 padded)."""
+    return _start_layouts(tensor, group, kind, extra, zeros)()
+
+
+def _start_layouts(
+    tensor: torch.Tensor, group: object | None, kind: str, extra: tuple[int, ...] = (), zeros: int = -1
+) -> Callable[[], list[list[int]]]:
+    """Start :func:`_layouts`' exchange; the returned call waits for it and returns the layouts."""
     check_device(tensor, f"the {tuple(tensor.shape)} tensor to exchange")
     if tensor.dim() > _MAX_DIMS:
         raise ValueError(f"collectives support tensors of up to {_MAX_DIMS} dimensions, got {tensor.dim()}")
@@ -537,14 +545,26 @@ def _layouts(
     shape = list(tensor.shape)
     dtype, first = _DTYPE_CODES.index(tensor.dtype), shape[0] if shape else -1
     head = [first, dtype, len(shape), LAYOUT_KINDS.index(kind), zeros]
-    return _exchange([*head, *extra, *[-1] * (_MAX_EXTRA - len(extra)), *shape[1:]], group, tensor.device)
+    meta = [*head, *extra, *[-1] * (_MAX_EXTRA - len(extra)), *shape[1:]]
+    return _start_exchange(meta, group, tensor.device)
 
 
 def _exchange(meta: list[int], group: object | None, device: torch.device) -> list[list[int]]:
+    return _start_exchange(meta, group, device)()
+
+
+def _start_exchange(
+    meta: list[int], group: object | None, device: torch.device
+) -> Callable[[], list[list[int]]]:
     mine = torch.tensor(meta + [-1] * (_LAYOUT_WIDTH - len(meta)), dtype=torch.int64, device=device)
     metas = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    wait_work(dist.all_gather(metas, mine, group=group, async_op=True))
-    return [m.tolist() for m in metas]
+    work = dist.all_gather(metas, mine, group=group, async_op=True)
+
+    def finish() -> list[list[int]]:
+        wait_work(work)
+        return [m.tolist() for m in metas]
+
+    return finish
 
 
 def joined_layouts(first: bool) -> list[list[int]]:
@@ -612,18 +632,36 @@ def check_same_layout(
         ValueError: naming this rank's and the first differing rank's dtype, shape and arguments; or the
             joined ranks, when ``zeros`` is ``None``.
     """
+    start_layout_check(tensor, group, what, extra, zeros=zeros)()
+
+
+def start_layout_check(
+    tensor: torch.Tensor,
+    group: object | None,
+    what: str,
+    extra: tuple[int, ...] = (),
+    *,
+    zeros: torch.dtype | None = None,
+) -> Callable[[], None]:
+    """Start :func:`check_same_layout`'s exchange without waiting for it (the collectives that follow queue
+    behind it on the group); the returned call waits for it and raises as :func:`check_same_layout` does."""
     if dist.get_world_size(group) == 1:
-        return
-    everyone = _layouts(tensor, group, what, extra, -1 if zeros is None else _DTYPE_CODES.index(zeros))
-    if zeros is None:
-        _refuse_joined(everyone, what)
-    mine = everyone[dist.get_rank(group)]
-    differing = [r for r, m in enumerate(everyone) if m != mine and m[1] != JOINED]
-    if differing:
-        raise ValueError(
-            f"{what} mismatch: this rank has {_layout_text(mine, len(extra))}, group rank {differing[0]} has "
-            f"{_layout_text(everyone[differing[0]], len(extra))}; every rank must pass the same"
-        )
+        return lambda: None
+    layouts = _start_layouts(tensor, group, what, extra, -1 if zeros is None else _DTYPE_CODES.index(zeros))
+
+    def finish() -> None:
+        everyone = layouts()
+        if zeros is None:
+            _refuse_joined(everyone, what)
+        mine = everyone[dist.get_rank(group)]
+        differing = [r for r, m in enumerate(everyone) if m != mine and m[1] != JOINED]
+        if differing:
+            raise ValueError(
+                f"{what} mismatch: this rank has {_layout_text(mine, len(extra))}, group rank {differing[0]} "
+                f"has {_layout_text(everyone[differing[0]], len(extra))}; every rank must pass the same"
+            )
+
+    return finish
 
 
 def all_gather_varlen_async(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 import zlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -61,11 +62,14 @@ def _live_optimizers() -> list[tuple[Joinable, int]]:
     return [(opt, key) for owner, opt, key in found if owner is st and opt is not None]
 
 
-def announce_step(key: int) -> None:
+def announce_step(key: int) -> Callable[[], None]:
     """Tell ranks inside :func:`join` that an optimizer whose layout has ``key`` synchronises its gradients
-    now (and check that every other rank steps one like it)."""
+    now. The exchange is only started: the gradients' all-reduces queue behind it, so backward never waits
+    for the other ranks here (a blocking exchange measured 25-65 % of a 3-rank step on 2 cores). The
+    returned call waits for it and checks that every other rank stepped one like it; call it once the
+    gradients are synchronised."""
     # Any dtype says the joined ranks take part: they step with zero gradients.
-    collectives.check_same_layout(torch.empty(0), None, "step", (key,), zeros=torch.float32)
+    return collectives.start_layout_check(torch.empty(0), None, "step", (key,), zeros=torch.float32)
 
 
 def join(device: int = -1) -> int:

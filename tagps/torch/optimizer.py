@@ -155,6 +155,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._group is not None:
             self.joinable = "it synchronises over a process set"
         self._serving_join = False
+        self._announced: Callable[[], None] | None = None  # the check of this step's announcement
         self._units = fusion_units(
             [p for p in reversed(self._params) if self._method[p] != "none"],
             self._method,
@@ -250,7 +251,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             for handle in self._handles.values():
                 handle.wait()
+            if self._announced is not None:
+                self._announced()
         finally:
+            self._announced = None
             self._handles.clear()
             self._ready.clear()
             self._passes.clear()
@@ -309,7 +313,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start, in the fixed order, every unit whose gradients are all ready."""
         while self._next < len(self._units) and all(p in self._ready for p in self._units[self._next]):
             if self._next == 0 and self.joinable is None and not self._serving_join:
-                join_ops.announce_step(self._join_key)  # ranks inside join() follow with zeros
+                # ranks inside join() follow with zeros; checked once the step is synchronised
+                self._announced = join_ops.announce_step(self._join_key)
             unit = self._units[self._next]
             handle = self._launch(unit[0]) if len(unit) == 1 else self._launch_fused(self._next, unit)
             handle = timeline.traced(handle, self._method[unit[0]].upper(), unit_key(unit, self._keys))
