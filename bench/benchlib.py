@@ -1,4 +1,4 @@
-"""What the benchmarks in ``bench/`` share: the machine description and the JSON result file.
+"""What the benchmarks in ``bench/`` share: the machine description, interleaved timing and the JSON file.
 
 The benchmarks run as ``python bench/NAME.py``, so this folder is on ``sys.path`` and they import this
 module as ``benchlib``.
@@ -10,7 +10,10 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +56,20 @@ def write_json(path: Path, payload: dict[str, Any], indent: int = 2) -> None:
     """Write ``payload`` to ``path`` as JSON with a final newline, making the folder if needed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=indent) + "\n")
+
+
+def best_times(
+    candidates: dict[str, Callable[[], object]], rounds: int, medians: dict[str, float]
+) -> dict[str, float]:
+    """Fastest seconds per call of each candidate, timed in interleaved rounds after one warm-up call;
+    the medians are added to ``medians``."""
+    for fn in candidates.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    medians.update({name: statistics.median(times) for name, times in samples.items()})
+    return {name: min(times) for name, times in samples.items()}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import command_line, cpu_flags, machine_info, write_json
+from benchlib import best_times, command_line, cpu_flags, machine_info, write_json
 
 from tagps import kernels, optim
 
@@ -48,23 +47,6 @@ TARGETS = {
     "rmsprop_vs_torch_foreach": 1.5,
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"
-
-
-def _best_times(
-    candidates: dict[str, Callable[[], object]], rounds: int, medians: dict[str, float]
-) -> dict[str, float]:
-    """Fastest seconds per call of each candidate, timed in interleaved rounds after one warm-up call;
-    the medians are added to ``medians``."""
-    for fn in candidates.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    medians.update({name: statistics.median(times) for name, times in samples.items()})
-    return {name: min(times) for name, times in samples.items()}
 
 
 def _filled(n: int, dtype: type, rng: np.random.Generator) -> np.ndarray:
@@ -87,7 +69,7 @@ def bench_sums(
     h_dst = _filled(64 * MIB // 2, np.float16, rng)
     h_src = _filled(64 * MIB // 2, np.float16, rng)
     # The float16 sum runs in the same rounds as the float32 ones, so its ratio compares like with like.
-    t2 = _best_times(
+    t2 = best_times(
         {
             "tagps sum_into": lambda: kernels.sum_into(dst, src),
             "numpy np.add(out=)": lambda: np.add(dst, src, out=dst),
@@ -119,7 +101,7 @@ def bench_sums(
         np.add.reduce(stacked, axis=0, out=tmp)
         np.add(d8, tmp, out=d8)
 
-    t8 = _best_times(
+    t8 = best_times(
         {
             "tagps sum_into x8": lambda: kernels.sum_into(d8, *srcs8),
             "numpy add chain x8": numpy_chain,
@@ -178,7 +160,7 @@ def bench_optimizers(
         opt = factory([p])
         return opt.step
 
-    adam = _best_times(
+    adam = best_times(
         {
             "tagps adam_step": tagps_adam,
             "torch Adam foreach": torch_optimizer(lambda ps: torch.optim.Adam(ps, foreach=True, **ADAM)),
@@ -187,7 +169,7 @@ def bench_optimizers(
         rounds,
         medians,
     )
-    rms = _best_times(
+    rms = best_times(
         {
             "tagps rmsprop_step": tagps_rmsprop,
             "torch RMSprop foreach": torch_optimizer(

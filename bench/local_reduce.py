@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import command_line, machine_info, write_json
+from benchlib import best_times, command_line, machine_info, write_json
 
 from tagps import kernels
 from tagps.comm.arena import ShmArena
@@ -43,22 +41,6 @@ from tagps.comm.local_reduce import shard_bounds
 
 MIB = 1 << 20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "local_reduce.json"
-
-
-def _best_times(
-    candidates: dict[str, Callable[[], object]], rounds: int, medians: dict[str, float]
-) -> dict[str, float]:
-    """Fastest seconds per call of each candidate in interleaved rounds after one warm-up call."""
-    for fn in candidates.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    medians.update({name: statistics.median(times) for name, times in samples.items()})
-    return {name: min(times) for name, times in samples.items()}
 
 
 def _python_loop(slots: torch.Tensor, result: torch.Tensor, groups: list[list[int]], ranks: int) -> None:
@@ -115,7 +97,7 @@ def bench(
                 fill()
                 run()
                 torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-5, msg=f"{topo} {name}")
-            measurements[f"reduce_{topo}_ms"] = _best_times(
+            measurements[f"reduce_{topo}_ms"] = best_times(
                 {
                     "cpp": lambda g=groups: _cpp(arena, g, ranks),
                     "python_loop": lambda g=groups: _python_loop(slots, result, g, ranks),
@@ -124,7 +106,7 @@ def bench(
                 medians,
             )
         dst, srcs = xs[0].clone(), xs[1:]
-        measurements["floor_ms"] = _best_times(
+        measurements["floor_ms"] = best_times(
             {"sum_into": lambda: kernels.sum_into(dst, *srcs)}, rounds, medians
         )
 
@@ -137,7 +119,7 @@ def bench(
                 slots[i].copy_(x)
             out.copy_(result)
 
-        measurements["copy_in_out_ms"] = _best_times({"cpp": copy_cpp, "torch": copy_torch}, rounds, medians)
+        measurements["copy_in_out_ms"] = best_times({"cpp": copy_cpp, "torch": copy_torch}, rounds, medians)
     ms = {g: {k: v * 1e3 for k, v in d.items()} for g, d in measurements.items()}
     return ms, {k: v * 1e3 for k, v in medians.items()}
 
