@@ -253,7 +253,8 @@ def _names(run: Run) -> re.Pattern[str]:
     if run.victim == "scheduler":
         return re.compile(r"the scheduler at \S+ (sent nothing|did not answer)")
     if run.victim.startswith("server"):
-        return re.compile(rf"server \d+ \(pid {pid} |missing: [^;]*\b1 server\b")
+        # A server killed after registering, before the address book, has no rank yet: named by its pid.
+        return re.compile(rf"server (\d+ )?\(pid {pid} |missing: [^;]*\b1 server\b")
     w, r = map(int, run.victim[len("worker") :].split("."))
     # A worker's launcher stops its other local ranks at once: the survivors may name them with it. The
     # scheduler knows a worker machine by its PS client, local rank 0.

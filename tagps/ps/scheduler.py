@@ -53,7 +53,10 @@ class _Node:
     finalized: bool = False
 
     def name(self) -> str:
-        who = f"worker {self.worker_id}" if self.role == "worker" else f"server {self.rank}"
+        if self.role == "worker":
+            who = f"worker {self.worker_id}"
+        else:  # a server gets its rank with the address book, once the job is complete
+            who = "server" if self.rank is None else f"server {self.rank}"
         return f"{who} (pid {self.pid} on {self.host})"
 
 
