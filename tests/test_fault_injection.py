@@ -255,10 +255,12 @@ def _names(run: Run) -> re.Pattern[str]:
     if run.victim.startswith("server"):
         # A server killed after registering, before the address book, has no rank yet: named by its pid.
         return re.compile(rf"server (\d+ )?\(pid {pid} |missing: [^;]*\b1 server\b")
-    w, r = map(int, run.victim[len("worker") :].split("."))
-    # A worker's launcher stops its other local ranks at once: the survivors may name them with it. The
-    # scheduler knows a worker machine by its PS client, local rank 0.
-    rank = rf"\b{w * LOCAL_SIZE + r}\b"
+    w = int(run.victim[len("worker") :].split(".")[0])
+    # A worker's launcher stops its other local ranks at once, so the survivors may see any rank of the
+    # victim's machine (its worker node) die first: the store's owner, local rank 0, often goes before the
+    # victim's heartbeat lapses. The scheduler knows a worker machine by its PS client, local rank 0.
+    machine = "|".join(str(w * LOCAL_SIZE + i) for i in range(LOCAL_SIZE))
+    rank = rf"\b(?:{machine})\b"
     return re.compile(
         rf"worker ranks? [0-9, ]*{rank}[0-9, ]* (failed|did not join)|worker {w} \(pid \d+ |"
         rf"missing: [^;]*\bworker {w}\b"
