@@ -157,8 +157,12 @@ def test_a_rank_that_never_joins_is_named_within_the_register_timeout(
     start = time.monotonic()
     procs = _start(script, 10, -1, tmp_path / "died", ranks=ranks, register_timeout=5.0)
     for rank, (status, out, _) in zip(ranks, _finish(procs, timeout=DIST_TIMEOUT), strict=True):
-        assert status != 0 and named in out, f"rank {rank} ({status}):\n{out[-3000:]}"
-        assert "within 5 s (PS_REGISTER_TIMEOUT)" in out, out[-3000:]
+        # Rank 0 names the absent rank; the others may see rank 0 leave first (its store closes as it exits),
+        # and then name it: a race that a shared 2-core host showed in 1 of 3 runs.
+        early_exit = "worker rank 0, which serves"
+        accepted = (named,) if rank == 0 else (named, early_exit)
+        assert status != 0 and any(a in out for a in accepted), f"rank {rank} ({status}):\n{out[-3000:]}"
+        assert "within 5 s (PS_REGISTER_TIMEOUT)" in out or (rank != 0 and early_exit in out), out[-3000:]
     # They waited TAGPS_DIST_TIMEOUT (60 s) after starting before; now the register timeout plus start-up.
     assert time.monotonic() - start < DIST_TIMEOUT
 
