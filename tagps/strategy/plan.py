@@ -112,6 +112,12 @@ class CommSettings:
     fusion_bytes: int = 0
     first_bucket_bytes: int = 0
 
+    def first_bucket_cap(self) -> int:
+        """Return the bytes at which backward's first fused bucket closes: ``first_bucket_bytes``, never
+        more than ``fusion_bytes`` (either 0: ``fusion_bytes``). The simulator and the runtime both cut
+        with it, so that the plan is costed as it runs."""
+        return min(self.first_bucket_bytes or self.fusion_bytes, self.fusion_bytes)
+
 
 @dataclass(frozen=True)
 class Prediction:

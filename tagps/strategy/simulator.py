@@ -574,8 +574,8 @@ class _TaskGraph:
         bwd_done, sync_done, barrier = self.bwd_done, self.sync_done, self.barrier
         host = sim.host_cpu is not None
         fusion = plan.comm.fusion_bytes if plan.comm.overlap else 0
-        # The first bucket of backward may close early (CommSettings.first_bucket_bytes).
-        first_cap = min(plan.comm.first_bucket_bytes or fusion, fusion)
+        # The first bucket of backward may close early (used only with fusion, so only with overlap).
+        first_cap = plan.comm.first_bucket_cap()
         bucket: _FusionBucket | None = None
         for i in range(len(sim.groups) - 1, -1, -1):
             gp = plan.groups[i]

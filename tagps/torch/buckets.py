@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tagps.comm.handle import Handle
+from tagps.strategy.plan import CommSettings
 
 __all__ = ["fused_sum", "fusion_units", "numel", "unit_key"]
 
@@ -57,21 +58,19 @@ def fused_sum(
 
 
 def fusion_units(
-    order: list[nn.Parameter],
-    method: dict[nn.Parameter, str],
-    fusion_bytes: int,
-    first_bucket_bytes: int = 0,
+    order: list[nn.Parameter], method: dict[nn.Parameter, str], comm: CommSettings
 ) -> list[list[nn.Parameter]]:
     """Cut the launch order into units: runs of gradients with the same method (``allreduce`` or ``ps``),
-    dtype and device fused up to ``fusion_bytes`` (the first unit up to ``first_bucket_bytes`` when set,
-    so that the first sync starts early in backward), and every SFB weight alone. The cut depends only on
-    the model, so it is the same on every worker."""
+    dtype and device fused up to ``comm.fusion_bytes`` (the first unit up to
+    :meth:`~tagps.strategy.plan.CommSettings.first_bucket_cap`, so that the first sync starts early in
+    backward), and every SFB weight alone. The cut depends only on the model, so it is the same on every
+    worker."""
     units: list[list[nn.Parameter]] = []
     size = 0
     for p in order:
         nbytes = p.numel() * p.element_size()
         last = units[-1] if units else None
-        cap = min(first_bucket_bytes or fusion_bytes, fusion_bytes) if len(units) == 1 else fusion_bytes
+        cap = comm.first_bucket_cap() if len(units) == 1 else comm.fusion_bytes
         if (
             method[p] in ("allreduce", "ps")
             and last is not None

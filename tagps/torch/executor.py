@@ -354,7 +354,7 @@ class DistributedModel(nn.Module):
                     method[p] = "allreduce"  # a Linear bias marked sfb is the all-reduced half of SFB
             order = [p for p in reversed(params) if method[p] != "none"]
             keys = {p: f"general.{names[id(p)]}" for p in params}
-            units = fusion_units(order, method, plan.comm.fusion_bytes, plan.comm.first_bucket_bytes)
+            units = fusion_units(order, method, plan.comm)
             syncs.append(_StageSync(s, units, method, keys, priority, sfb))
         self._local_params = [p for p in model.parameters() if id(p) in owner]
         if not self._local_params:

@@ -28,6 +28,7 @@ from torch import nn
 
 from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
+from tagps.strategy.plan import CommSettings
 from tagps.torch import join_ops, ops, timeline
 from tagps.torch.buckets import fused_sum, fusion_units, numel, unit_key
 from tagps.torch.compression import Compressor, NoneCompressor
@@ -121,9 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             plan_doc if plan_doc is not None else strategy, list(self._names.values()), default
         )
         # A plan fixes fusion and overlap (the simulator costed them); otherwise TAGPS_FUSION_BYTES decides.
-        fusion_bytes = plan_doc.comm.fusion_bytes if plan_doc is not None else st.cfg.fusion_bytes
-        first_bucket_bytes = plan_doc.comm.first_bucket_bytes if plan_doc is not None else 0
-        self._overlap = plan_doc.comm.overlap if plan_doc is not None else True
+        comm = plan_doc.comm if plan_doc is not None else CommSettings(fusion_bytes=st.cfg.fusion_bytes)
+        self._overlap = comm.overlap
         self._method = {p: plan.methods[self._names[p]] for p in self._params}
         if self._group is not None:
             other = sorted(set(self._method.values()) - {"allreduce", "none"})
@@ -157,10 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._serving_join = False
         self._announced: Callable[[], None] | None = None  # the check of this step's announcement
         self._units = fusion_units(
-            [p for p in reversed(self._params) if self._method[p] != "none"],
-            self._method,
-            fusion_bytes,
-            first_bucket_bytes,
+            [p for p in reversed(self._params) if self._method[p] != "none"], self._method, comm
         )
         # What the gradient sync sends, in order: a rank inside join() serves a step with the same.
         wires = [compression.compress(torch.empty(0, dtype=u[0].dtype))[0].dtype for u in self._units]

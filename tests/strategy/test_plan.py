@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tagps.strategy.plan import PLAN_VERSION, Plan, PlanError, load
+from tagps.strategy.plan import PLAN_VERSION, CommSettings, Plan, PlanError, load
 from tagps.strategy.topology import paper_testbed
 
 
@@ -183,3 +183,12 @@ def test_plan_module_does_not_import_torch():
     code = "import sys, tagps.strategy.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("fusion", "first", "cap"), [(0, 0, 0), (2048, 0, 2048), (2048, 16, 16), (16, 2048, 16), (0, 16, 0)]
+)
+def test_the_first_bucket_closes_at_first_bucket_bytes_never_past_fusion_bytes(
+    fusion: int, first: int, cap: int
+) -> None:
+    assert CommSettings(fusion_bytes=fusion, first_bucket_bytes=first).first_bucket_cap() == cap

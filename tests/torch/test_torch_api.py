@@ -282,6 +282,7 @@ def test_top_level_distributed_optimizer(world_of_one: None) -> None:
 
 
 def test_fusion_units_are_deterministic_runs() -> None:
+    from tagps.strategy.plan import CommSettings
     from tagps.torch.buckets import fusion_units
 
     f32, f64 = torch.float32, torch.float64
@@ -290,10 +291,10 @@ def test_fusion_units_are_deterministic_runs() -> None:
     method = dict.fromkeys(ps, "allreduce")
     method[ps[3]] = "sfb"
     index = {id(p): i for i, p in enumerate(ps)}
-    cut = [[index[id(p)] for p in u] for u in fusion_units(ps, method, fusion_bytes=64)]
+    cut = [[index[id(p)] for p in u] for u in fusion_units(ps, method, CommSettings(fusion_bytes=64))]
     assert cut == [[0, 1], [2], [3], [4, 5], [6]]
     method[ps[1]] = "ps"  # a change of method cuts too
-    assert [[index[id(p)] for p in u] for u in fusion_units(ps, method, fusion_bytes=64)] == [
+    assert [[index[id(p)] for p in u] for u in fusion_units(ps, method, CommSettings(fusion_bytes=64))] == [
         [0],
         [1],
         [2],
@@ -301,11 +302,11 @@ def test_fusion_units_are_deterministic_runs() -> None:
         [4, 5],
         [6],
     ]
-    unfused = fusion_units(ps, method, fusion_bytes=0)
+    unfused = fusion_units(ps, method, CommSettings(fusion_bytes=0))
     assert [[index[id(p)] for p in u] for u in unfused] == [[i] for i in range(7)]
     # DDP's early first bucket: the first unit closes at first_bucket_bytes, the rest at fusion_bytes.
     same = dict.fromkeys(ps[:4], "allreduce")
-    cut = fusion_units(ps[:4], same, fusion_bytes=2048, first_bucket_bytes=16)
+    cut = fusion_units(ps[:4], same, CommSettings(fusion_bytes=2048, first_bucket_bytes=16))
     assert [[index[id(p)] for p in u] for u in cut] == [[0], [1, 2, 3]]
 
 
