@@ -702,11 +702,29 @@ def test_capabilities_and_absent_backends(world_of_one: None) -> None:
     assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
 
 
-def test_elastic_names_raise_naming_the_gap() -> None:
-    with pytest.raises(NotImplementedError, match=r"elastic training .* is not implemented in tagps"):
-        hvd.elastic.TorchState(model=None)
-    with pytest.raises(NotImplementedError, match=re.escape("tagps.torch.elastic.run")):
-        hvd.elastic.run(lambda state: None)
+class _ScriptState(hvd.elastic.TorchState):
+    """A Horovod elastic script's own state class (defining it must work; creating it must not)."""
+
+
+@pytest.mark.parametrize(
+    ("name", "use"),
+    [
+        ("run", lambda: hvd.elastic.run(lambda state: None)),
+        ("TorchState", lambda: hvd.elastic.TorchState(model=None, optimizer=None, batch=0)),
+        ("ElasticSampler", lambda: hvd.elastic.ElasticSampler(list(range(8)), shuffle=True)),
+        ("ObjectState", lambda: hvd.elastic.ObjectState(epoch=0)),
+        ("TorchState", lambda: _ScriptState(model=None)),
+    ],
+)
+def test_every_elastic_name_raises_one_error_saying_what_to_do_instead(
+    name: str, use: Callable[[], object]
+) -> None:
+    with pytest.raises(hvd.elastic.ElasticNotSupported) as info:
+        use()
+    message = str(info.value)
+    assert isinstance(info.value, NotImplementedError)
+    assert message.startswith(f"hvd.elastic.{name}: elastic training is not supported by tagps yet"), message
+    assert "without hvd.elastic" in message and "--restore PATH" in message, message
 
 
 def test_synchronize_reports_failed_transfers_as_horovod_internal_error(world_of_one: None) -> None:
