@@ -5,13 +5,17 @@ Flags:
     --checkpoint-every N  also write it while serving, at the first step boundary after some key
                        completed N rounds since the last checkpoint (sync mode).
     --restore PATH     start from a checkpoint written by ``--checkpoint`` (same rank and settings).
+    --stats PATH       write the data plane's counters (``SummationServer.stats()``: rounds, messages, and
+                       the summation's bytes and seconds) to PATH as JSON when the server stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
+from tagps.atomic import atomic_open
 from tagps.config import ConfigError, ps_config, server_optimizer_config
 from tagps.ps.node import configure_logging
 from tagps.ps.server import SummationServer
@@ -32,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also write the checkpoint every N rounds, at a step boundary (needs --checkpoint)",
     )
     parser.add_argument("--restore", metavar="PATH", help="start from this checkpoint")
+    parser.add_argument("--stats", metavar="PATH", help="write the data plane's counters here (JSON) at exit")
     args = parser.parse_args(argv)
     try:
         config = ps_config(role="server")
@@ -51,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"tagps.server: {exc}", file=sys.stderr)
         return 2
-    return server.run()
+    status = server.run()
+    if args.stats is not None:
+        with atomic_open(args.stats) as fh:
+            fh.write(json.dumps(server.stats()).encode())
+    return status
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 #include <zmq.h>
 
 #include <algorithm>
+#include <chrono>
+#include <ctime>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -135,6 +137,38 @@ class WorkQueue {
   std::deque<Work> items_;
 };
 
+// A moment on the wall clock and on the calling thread's CPU clock, in nanoseconds.
+struct Stamp {
+  uint64_t wall_ns;
+  uint64_t cpu_ns;
+
+  static Stamp now() {
+    timespec cpu{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu);
+    const auto wall = std::chrono::steady_clock::now().time_since_epoch();
+    return {static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(wall).count()),
+            static_cast<uint64_t>(cpu.tv_sec) * 1000000000u + static_cast<uint64_t>(cpu.tv_nsec)};
+  }
+};
+
+// One engine thread's summation counters (ServerStats); only that thread writes them. A cache line each,
+// so that engines do not share one.
+struct alignas(64) SumCounters {
+  std::atomic<uint64_t> calls{0};
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<uint64_t> wall_ns{0};
+  std::atomic<uint64_t> cpu_ns{0};
+
+  // Counts one summation of `nbytes` gradient bytes that started at `since`.
+  void add(uint64_t nbytes, const Stamp& since) {
+    const Stamp end = Stamp::now();
+    calls.fetch_add(1, std::memory_order_relaxed);
+    bytes.fetch_add(nbytes, std::memory_order_relaxed);
+    wall_ns.fetch_add(end.wall_ns - since.wall_ns, std::memory_order_relaxed);
+    cpu_ns.fetch_add(end.cpu_ns - since.cpu_ns, std::memory_order_relaxed);
+  }
+};
+
 void free_shared_buffer(void* /*data*/, void* hint) { delete static_cast<SharedBuffer*>(hint); }
 
 // A message whose payload is `buffer`'s bytes, sent without a copy; the message keeps the buffer alive.
@@ -179,6 +213,7 @@ class Server::Impl {
   std::string failure() const;
   uint64_t rounds_done() const;
   uint64_t messages_received() const { return received_.load(); }
+  ServerStats stats() const;
 
  private:
   bool keeps_store() const { return opt_.enable_async || optimizer_.has_value(); }
@@ -237,6 +272,7 @@ class Server::Impl {
   bool started_ = false;
   bool stopped_ = false;
   std::unique_ptr<std::atomic<uint64_t>[]> done_;  // rounds completed per engine
+  std::unique_ptr<SumCounters[]> sums_;            // per engine
   uint64_t done_tried_ = 0;
 
   std::mutex parker_mu_;  // one parker at a time (the I/O thread's checkpoints, snapshot())
@@ -264,6 +300,7 @@ Server::Impl::Impl(ServerOptions options) : opt_(std::move(options)), ctx_(1) {
   loads_.assign(engines, 0);
   done_ = std::make_unique<std::atomic<uint64_t>[]>(engines);
   for (size_t i = 0; i < engines; ++i) done_[i] = 0;
+  sums_ = std::make_unique<SumCounters[]>(engines);
   for (size_t i = 0; i < engines; ++i) queues_.push_back(std::make_unique<WorkQueue>());
 
   if (opt_.curve) {
@@ -320,6 +357,22 @@ uint64_t Server::Impl::rounds_done() const {
   uint64_t total = 0;
   for (size_t i = 0; i < queues_.size(); ++i) total += done_[i].load(std::memory_order_acquire);
   return total;
+}
+
+ServerStats Server::Impl::stats() const {
+  ServerStats out;
+  out.rounds = rounds_done();
+  out.messages = messages_received();
+  uint64_t wall_ns = 0, cpu_ns = 0;
+  for (size_t i = 0; i < queues_.size(); ++i) {
+    out.sum_calls += sums_[i].calls.load(std::memory_order_relaxed);
+    out.sum_bytes += sums_[i].bytes.load(std::memory_order_relaxed);
+    wall_ns += sums_[i].wall_ns.load(std::memory_order_relaxed);
+    cpu_ns += sums_[i].cpu_ns.load(std::memory_order_relaxed);
+  }
+  out.sum_seconds = static_cast<double>(wall_ns) * 1e-9;
+  out.sum_cpu_seconds = static_cast<double>(cpu_ns) * 1e-9;
+  return out;
 }
 
 KeyState* Server::Impl::add_key(uint64_t key, uint8_t dtype, uint64_t nbytes, std::vector<uint32_t> workers) {
@@ -816,7 +869,9 @@ void Server::Impl::push(zmq::socket_t& out, KeyState& st, Work& work) {
       o.dst = st.value->data();
       o.srcs = {work.payload.data()};
       o.count = count;
+      const Stamp start = Stamp::now();
       kernels::sum_into(o);
+      sums_[static_cast<size_t>(st.engine)].add(st.nbytes, start);
     }
     st.counts[slot] += 1;
     answer_ready_pulls(out, st);
@@ -833,12 +888,16 @@ void Server::Impl::push(zmq::socket_t& out, KeyState& st, Work& work) {
   o.dst = st.frames[0].data();
   for (size_t i = 1; i < st.frames.size(); ++i) o.srcs.push_back(st.frames[i].data());
   o.count = count;
-  if (!o.srcs.empty()) kernels::sum_into(o);  // one worker: its push is the sum
+  // One worker: its push is the sum (no kernel runs, nothing is counted).
+  const bool summing = !o.srcs.empty();
+  const Stamp start = Stamp::now();
+  if (summing) kernels::sum_into(o);
   if (optimizer_ && st.opt && st.value) {
+    if (summing) sums_[static_cast<size_t>(st.engine)].add(st.nbytes * st.frames.size(), start);
     optimizer_->step(dtype, st.value->data(), st.frames[0].data(), count, *st.opt);
     st.has_result = false;  // pulls get the weights
   } else {
-    if (st.average && st.num_workers() > 1) {
+    if (st.average && summing) {
       kernels::ScaleOptions s;
       s.dtype = dtype;
       s.buf = st.frames[0].data();
@@ -846,6 +905,7 @@ void Server::Impl::push(zmq::socket_t& out, KeyState& st, Work& work) {
       s.factor = 1.0 / static_cast<double>(st.num_workers());
       kernels::scale(s);
     }
+    if (summing) sums_[static_cast<size_t>(st.engine)].add(st.nbytes * st.frames.size(), start);
     st.result = std::move(st.frames[0]);
     st.has_result = true;
   }
@@ -941,5 +1001,6 @@ std::vector<LogRecord> Server::drain_log() { return impl_->drain_log(); }
 std::string Server::failure() const { return impl_->failure(); }
 uint64_t Server::rounds_done() const { return impl_->rounds_done(); }
 uint64_t Server::messages_received() const { return impl_->messages_received(); }
+ServerStats Server::stats() const { return impl_->stats(); }
 
 }  // namespace tagps::net

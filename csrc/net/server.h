@@ -68,6 +68,19 @@ struct Snapshot {
   std::vector<uint64_t> moved;
 };
 
+// What the engine threads summed: every sync round folds its workers' pushes into one (`sum_bytes` counts
+// each push's bytes, the first one included), every async push is added into the store. The times cover
+// the summation kernels (sum_into, and scale for an average) only: wall clock, and the engine thread's CPU
+// time, which leaves out the moments the OS gave the core to another thread.
+struct ServerStats {
+  uint64_t rounds = 0;    // sync rounds completed
+  uint64_t messages = 0;  // data messages received
+  uint64_t sum_calls = 0;
+  uint64_t sum_bytes = 0;
+  double sum_seconds = 0;
+  double sum_cpu_seconds = 0;
+};
+
 struct LogRecord {
   int level;  // Python logging level
   std::string message;
@@ -100,6 +113,9 @@ class Server {
   // Rounds completed (sync mode) and messages received, for tests and benchmarks.
   uint64_t rounds_done() const;
   uint64_t messages_received() const;
+  // Counters since start, summed over the engine threads (each thread's own are exact; the total is a
+  // moment's look while they run).
+  ServerStats stats() const;
 
   class Impl;
 

@@ -176,7 +176,22 @@ counts, value (uint8 array or None) and buffers ({name: uint8 array}).)pbdoc")
       .def("failure", &net::Server::failure,
            R"pbdoc(Why the I/O thread stopped on its own ("" while it runs).)pbdoc")
       .def_property_readonly("rounds_done", &net::Server::rounds_done)
-      .def_property_readonly("messages_received", &net::Server::messages_received);
+      .def_property_readonly("messages_received", &net::Server::messages_received)
+      .def(
+          "stats",
+          [](const net::Server& self) {
+            const net::ServerStats s = self.stats();
+            py::dict out;
+            out["rounds"] = s.rounds;
+            out["messages"] = s.messages;
+            out["sum_calls"] = s.sum_calls;
+            out["sum_bytes"] = s.sum_bytes;
+            out["sum_seconds"] = s.sum_seconds;
+            out["sum_cpu_seconds"] = s.sum_cpu_seconds;
+            return out;
+          },
+          R"pbdoc(Counters since start: rounds, messages, and the summation's sum_calls, sum_bytes (every
+push folded into a sum), sum_seconds (wall) and sum_cpu_seconds (the engine threads' CPU time).)pbdoc");
 
   m.def(
       "wire_pack_header",

@@ -44,6 +44,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,23 @@ class _Key:
     @property
     def num_workers(self) -> int:
         return len(self.workers)
+
+
+@dataclass
+class _SumCounters:
+    """One engine thread's summation counters (see :meth:`SummationServer.stats`); only it writes them."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    def add(self, nbytes: int, wall_start: float, cpu_start: float) -> None:
+        """Count one summation of ``nbytes`` gradient bytes that started at these clock readings."""
+        self.calls += 1
+        self.bytes += nbytes
+        self.seconds += time.perf_counter() - wall_start
+        self.cpu_seconds += time.thread_time() - cpu_start
 
 
 class _Reject(Exception):
@@ -209,9 +227,33 @@ class SummationServer:
         # checkpoint only when the total moved since its last try.
         self._done = [0] * config.engine_threads
         self._done_tried = 0
+        self._sums = [_SumCounters() for _ in range(config.engine_threads)]
+        self._received = 0  # data messages (the C++ engine counts its own)
         self._park = threading.Barrier(config.engine_threads + 1)
         self._writer: threading.Thread | None = None
         log.info("server listening on %s:%d (%s engine)", host, port, self.engine)
+
+    def stats(self) -> dict[str, int | float]:
+        """Return the data plane's counters since start (either engine, while serving or after).
+
+        Returns:
+            ``rounds`` (sync rounds completed), ``messages`` (data messages received), and what the engine
+            threads summed: ``sum_calls``, ``sum_bytes`` (every push folded into a sum, the first one
+            included; each async push), ``sum_seconds`` (wall clock in the summation kernels) and
+            ``sum_cpu_seconds`` (the engine threads' CPU time in them, which leaves out the moments the
+            OS ran another thread). ``sum_bytes / sum_cpu_seconds`` is the engine's summation rate.
+        """
+        if self._native is not None:
+            return self._native.stats()
+        sums = list(self._sums)
+        return {
+            "rounds": sum(self._done),
+            "messages": self._received,
+            "sum_calls": sum(c.calls for c in sums),
+            "sum_bytes": sum(c.bytes for c in sums),
+            "sum_seconds": sum(c.seconds for c in sums),
+            "sum_cpu_seconds": sum(c.cpu_seconds for c in sums),
+        }
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -270,6 +312,7 @@ class SummationServer:
                         frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    self._received += 1
                     self._dispatch(frames)
             if self._link.socket in ready:
                 op, _ = self._link.receive()
@@ -557,7 +600,9 @@ class SummationServer:
             if self.optimizer is not None and st.opt is not None:
                 self.optimizer.step(st.value, grad, st.opt)
             else:
+                wall_start, cpu_start = time.perf_counter(), time.thread_time()
                 kernels.sum_into(st.value, grad)
+                self._sums[st.engine].add(st.nbytes, wall_start, cpu_start)
             st.counts[slot] += 1
             self._answer_ready_pulls(out, st)
             return
@@ -568,14 +613,21 @@ class SummationServer:
             return
         # Sum in place into the first received frame (zmq's own buffer): one pass, no extra copy, and
         # the frame itself is then sent zero-copy to every puller.
+        # One worker: its push is the sum (no kernel runs, nothing is counted).
         total, *others = [np.frombuffer(frame.buffer, dtype) for frame in st.frames]
-        kernels.sum_into(total, *others)
+        wall_start, cpu_start = time.perf_counter(), time.thread_time()
+        if others:
+            kernels.sum_into(total, *others)
         if self.optimizer is not None and st.opt is not None and st.value is not None:
+            if others:
+                self._sums[st.engine].add(st.nbytes * len(st.frames), wall_start, cpu_start)
             self.optimizer.step(st.value, total, st.opt)
             st.result = st.value
         else:
-            if st.average and st.num_workers > 1:
+            if st.average and others:
                 kernels.scale(total, 1.0 / st.num_workers)
+            if others:
+                self._sums[st.engine].add(st.nbytes * len(st.frames), wall_start, cpu_start)
             st.result = st.frames[0]
         st.result_flags = self.flags | (FLAG_AVERAGE if st.average and self.optimizer is None else 0)
         st.frames.clear()
