@@ -45,6 +45,7 @@ import torch.distributed as dist
 import zmq
 
 from tagps.comm.arena import ShmArena
+from tagps.comm.collectives import run_blocking
 from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
@@ -128,7 +129,8 @@ class LocalReducer:
     """Sum tensors over the participating local ranks of this machine, and across machines via ``cross``.
 
     Construction is collective over the whole ``torch.distributed`` world (the root's endpoint travels by
-    ``all_gather_object``); every process of the job must construct it, participant or not.
+    ``all_gather_object``); every process of the job must construct it, participant or not. A peer that dies
+    before it does is named (:class:`~tagps.comm.handle.PeerFailed`) within ``PS_HEARTBEAT_TIMEOUT``.
 
     Args:
         participants: local ranks that take part, ascending; the first is the machine's root. Empty when
@@ -176,7 +178,13 @@ class LocalReducer:
             job = uuid.uuid4().hex[:12]
             token = secrets.token_bytes(16)
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (machine, local_rank, endpoint, job, token))
+        mine = (machine, local_rank, endpoint, job, token)
+        try:  # a peer that dies meanwhile is named within PS_HEARTBEAT_TIMEOUT, not TAGPS_DIST_TIMEOUT
+            run_blocking(lambda: dist.all_gather_object(everyone, mine))
+        except BaseException:
+            if self._root:
+                self._sock.close(linger=0)
+            raise
         self._arenas: dict[str, ShmArena] = {}
         self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
         self._rounds: dict[str, _RootRound] = {}

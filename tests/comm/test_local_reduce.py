@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 import secrets
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +19,9 @@ import zmq
 
 from tagps.comm.arena import ShmArena
 from tagps.comm.local_reduce import LocalReducer
+from tagps.launcher import free_ports
 
+REPO = Path(__file__).resolve().parents[2]
 WRONG = secrets.token_bytes(16)
 
 
@@ -101,3 +107,70 @@ def _root_fails(rank: int, init: str, shm_dir: str) -> None:
 @pytest.mark.timeout(120)
 def test_a_failed_root_fails_every_participant_at_once(tmp_path: Path) -> None:
     mp.spawn(_root_fails, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+
+
+# argv: the victim's local rank, the signal it sends itself before the reducer's setup, a file where it
+# writes when, the shared-memory directory.
+_SETUP_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+from tagps.comm import collectives
+from tagps.comm.local_reduce import LocalReducer
+from tagps.config import comm_config
+
+victim, sig, died, shm_dir = int(sys.argv[1]), getattr(signal, sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+cfg = comm_config()
+collectives.init_process_group(cfg)
+if cfg.local_rank == victim:
+    died.write_text(repr(time.time()))
+    os.kill(os.getpid(), sig)
+ranks = list(range(cfg.local_size))
+try:
+    LocalReducer(ranks, [ranks], cfg.local_rank, 0, None, cfg.dist_timeout_s, shm_dir).close()
+except RuntimeError as exc:
+    print(f"raised at {time.time()!r}: {type(exc).__name__}: {exc}", flush=True)
+    collectives.shutdown_process_group()  # as tagps.torch does at exit: gloo aborts in a live group's exit
+    raise SystemExit(3)
+print("set up", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_a_peer_that_dies_before_the_setup_is_named_within_the_heartbeat_timeout(
+    tmp_path: Path, sig: str
+) -> None:
+    """The setup's all_gather_object waits like every other wait: a stopped peer (its connections stay
+    open) is named after PS_HEARTBEAT_TIMEOUT, not after TAGPS_DIST_TIMEOUT, and a killed one by rank."""
+    script, died = tmp_path / "setup.py", tmp_path / "died"
+    script.write_text(_SETUP_WORKER)
+    port, victim, size, heartbeat_timeout = free_ports(1)[0], 1, 3, 3.0
+    procs = []
+    for rank in range(size):
+        env = {
+            **os.environ, "DMLC_NUM_WORKER": "1", "DMLC_WORKER_ID": "0", "DMLC_NUM_SERVER": "0",
+            "BYTEPS_LOCAL_SIZE": str(size), "BYTEPS_LOCAL_RANK": str(rank), "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "TAGPS_DIST_PORT": str(port), "TAGPS_DIST_TIMEOUT": "60", "PS_HEARTBEAT_INTERVAL": "0.5",
+            "PS_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
+        }  # fmt: skip
+        cmd = [sys.executable, str(script), str(victim), sig, str(died), str(tmp_path)]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, text=True, **pipes))
+    try:
+        for rank in (r for r in range(size) if r != victim):
+            try:  # without the heartbeat the setup would wait TAGPS_DIST_TIMEOUT (60 s)
+                out, _ = procs[rank].communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                procs[rank].kill()
+                out = procs[rank].communicate()[0] + "\n[killed after 30 s]"
+            match = re.search(r"raised at ([0-9.]+): PeerFailed: (.*)", out)
+            assert procs[rank].returncode == 3 and match, (
+                f"rank {rank} ({procs[rank].returncode}):\n{out[-3000:]}"
+            )
+            assert f"worker rank {victim} failed" in match[2], match[2]
+            assert float(match[1]) - float(died.read_text()) < heartbeat_timeout + 4.0, match[0]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert [p.name for p in tmp_path.glob("tagps-*")] == []  # no arena was made
