@@ -22,9 +22,14 @@ Two set-ups, each compared within the same run:
   (theory 1.5), ``pushpull_vs_optimal_4w_4s_1gbit`` = the BytePS optimum ``M / B`` ÷ push_pull time.
   ``B`` is the tc rate, which counts packet headers too, so goodput tops out near 0.95 ``B`` at 1500 MTU.
 
-``server_sum_GBps``: gradient bytes one process reduces per second along the server's summation path
-(network excluded): 4 pushes of 64 MiB, the first copied into the key's buffer and the other 3 added with
-``tagps.kernels.sum_into``, buffers allocated once and reused.
+``server_sum_GBps``: the summation rate inside the server engine, measured by the server of the loopback
+job itself (``python -m tagps.server --stats``): gradient bytes folded into sums (both workers' pushes of
+every round) per second of the engine threads' CPU time inside the summation kernels (the wall-clock rate,
+which also counts the moments the OS ran another of the job's threads, is in the measurements).
+``sum_into_GBps``: the same work with ``tagps.kernels.sum_into`` alone, right after the job in this
+process, one thread like a server's engine: 2 sources of 64 MiB, summed partition by partition
+(``BYTEPS_PARTITION_BYTES``) into the first, bytes counted the same way. ``server_sum_vs_sum_into`` is their
+ratio (target 0.8: the engine sums within 20 % of the kernel's own rate).
 
 Each timed iteration starts after a barrier on every worker; an iteration's time is the slowest worker's,
 and a figure uses the median over iterations. Every result is checked against the exact sum.
@@ -53,7 +58,7 @@ from benchlib import machine_info, write_json
 
 from tagps import kernels
 from tagps.cluster import ClusterError, LinkLimit, Network, check_support, up
-from tagps.config import ps_config
+from tagps.config import PSConfig, ps_config
 from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +74,8 @@ TARGETS = {
     "pushpull_vs_allreduce_4w_4s_1gbit": 1.3,
     "pushpull_vs_optimal_4w_4s_1gbit": 0.92,
     "server_sum_GBps": None,
+    "sum_into_GBps": None,
+    "server_sum_vs_sum_into": 0.8,
 }
 # Emulated job: 128 chunks of 512 KiB spread evenly over the 4 servers by the `balanced` key hash. Small
 # chunks let a chunk's pull overlap the pushes of later ones (with 4 MB chunks the pulls start late).
@@ -113,7 +120,14 @@ class Bench:
     # -- jobs --------------------------------------------------------------------------------------
 
     def job(self, specs: list[ProcessSpec], out: str, workers: int) -> dict[int, float]:
-        """Run one job; return {size: median over iterations of the slowest worker's seconds}."""
+        """Run one job; return {size: median over iterations of the slowest worker's seconds}.
+
+        Its servers write their counters (``--stats``) to ``OUT.server<i>.json``, kept in the measurements.
+        """
+        servers = [i for i, spec in enumerate(specs) if spec.label.startswith("server")]
+        for n, i in enumerate(servers):
+            stats_argv = (*specs[i].argv, "--stats", f"{out}.server{n}.json")
+            specs[i] = dataclasses.replace(specs[i], argv=stats_argv)
         log = io.BytesIO()
         status = run_processes(specs, out=log, grace=5)
         if status != 0:
@@ -125,6 +139,9 @@ class Bench:
             for size in per_worker[0]
         }
         self.measurements.setdefault("iterations_s", {})[Path(out).name] = slowest
+        self.measurements.setdefault("server_stats", {})[Path(out).name] = [
+            json.loads(Path(f"{out}.server{n}.json").read_text()) for n in range(len(servers))
+        ]
         return {size: statistics.median(steps) for size, steps in slowest.items()}
 
     def worker_argv(self, mode: str, out: str, sizes: Sequence[int], iters: Sequence[int]) -> list[str]:
@@ -250,27 +267,48 @@ class Bench:
 
     # -- summation ----------------------------------------------------------------------------------
 
-    def server_sum(self, workers: int = 4) -> float:
-        """Gradient bytes per second one process reduces the way a server does a sync round: copy the
-        first push into the key's buffer, then ``sum_into`` the other ``workers - 1`` (64 MiB each)."""
+    def server_sum(self, workers: int = 2) -> dict[str, float]:
+        """The loopback job's server summation rate (its ``--stats``) beside ``sum_into`` alone doing the same
+        work: ``workers`` sources of 64 MiB, summed partition by partition into the first on one thread."""
+        stats = self.measurements["server_stats"]["loop-ps"]
+        summed = sum(s["sum_bytes"] for s in stats)
+        cpu, wall = sum(s["sum_cpu_seconds"] for s in stats), sum(s["sum_seconds"] for s in stats)
+        if not summed or not cpu:
+            raise RuntimeError(f"the loopback job's server summed nothing: {stats}")
+        part = _ps_partition_bytes() // 4
         n = 64 * MiB // 4
-        pushes = [np.full(n, w + 1, dtype=np.float32) for w in range(workers)]
-        dst = np.zeros(n, dtype=np.float32)
-        times = []
-        for _ in range(5 if self.quick else 20):
-            t0 = time.perf_counter()
-            np.copyto(dst, pushes[0])
-            kernels.sum_into(dst, *pushes[1:])
-            times.append(time.perf_counter() - t0)
-            if not np.all(dst == workers * (workers + 1) / 2):
-                raise RuntimeError("sum_into gave a wrong sum")
+        pushes = [np.empty(n, dtype=np.float32) for _ in range(workers)]
+        threads = kernels.num_threads()
+        kernels.set_num_threads(1)  # as in a server: its engine threads are the parallelism
+        cpu_times, wall_times = [], []
+        try:
+            for _ in range(3 if self.quick else 10):
+                for w, push in enumerate(pushes):
+                    push.fill(w + 1)
+                wall0, cpu0 = time.perf_counter(), time.thread_time()
+                for start in range(0, n, part):
+                    chunks = [p[start : start + part] for p in pushes]
+                    kernels.sum_into(chunks[0], *chunks[1:])
+                cpu_times.append(time.thread_time() - cpu0)
+                wall_times.append(time.perf_counter() - wall0)
+                if not np.all(pushes[0] == workers * (workers + 1) / 2):
+                    raise RuntimeError("sum_into gave a wrong sum")
+        finally:
+            kernels.set_num_threads(threads)
+        kernel_bytes = workers * 4 * n
         self.measurements["server_sum"] = {
-            "workers": workers,
-            "bytes_per_source": 4 * n,
+            "engine_sum_bytes": summed,
+            "engine_sum_cpu_s": cpu,
+            "engine_sum_wall_s": wall,
+            "engine_GBps_wall": summed / wall / 1e9,
+            "sum_into_workers": workers,
+            "sum_into_bytes_per_source": 4 * n,
+            "sum_into_partition_bytes": 4 * part,
+            "sum_into_GBps_wall": kernel_bytes / statistics.median(wall_times) / 1e9,
             "simd": kernels.simd_mode(),
-            "threads": kernels.num_threads(),
         }
-        return workers * 4 * n / statistics.median(times) / 1e9
+        engine, alone = summed / cpu / 1e9, kernel_bytes / statistics.median(cpu_times) / 1e9
+        return {"server_sum_GBps": engine, "sum_into_GBps": alone, "server_sum_vs_sum_into": engine / alone}
 
 
 def _machine() -> dict[str, Any]:
@@ -281,10 +319,20 @@ def _machine() -> dict[str, Any]:
     )
 
 
+def _ps_job_config() -> PSConfig:
+    """The PS settings of the loopback jobs' nodes, as they read them."""
+    job = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1"}
+    return ps_config({**os.environ, **job, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1"})
+
+
 def _ps_engine() -> str:
     """The data plane of the PS jobs' nodes: ``TAGPS_PS_ENGINE`` as they read it."""
-    job = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1"}
-    return ps_config({**os.environ, **job, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1"}).engine
+    return _ps_job_config().engine
+
+
+def _ps_partition_bytes() -> int:
+    """``BYTEPS_PARTITION_BYTES`` of the loopback jobs."""
+    return _ps_job_config().partition_bytes
 
 
 def _table(figures: dict[str, float | None], skipped: dict[str, str]) -> str:
@@ -321,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             skipped["emulated"] = f"the emulated-links part needs root and network namespaces: {exc}"
         else:
             figures.update(bench.emulated(tmp))
-    figures["server_sum_GBps"] = bench.server_sum()
+    figures.update(bench.server_sum())
     result = {
         # Other jobs on the machine skew every figure; the 1-minute load average says how busy it was.
         "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
