@@ -241,7 +241,13 @@ def _rendezvous_store(cfg: CommConfig, timeout: datetime.timedelta) -> dist.Stor
 def _join(cfg: CommConfig) -> dist.TCPStore:
     """Connect to (rank 0: serve) the rendezvous store and wait, ``PS_REGISTER_TIMEOUT`` at most, until every
     rank has; a rank that does not join, or rank 0's store going away, is named instead of timing out after
-    ``TAGPS_DIST_TIMEOUT`` with a count."""
+    ``TAGPS_DIST_TIMEOUT`` with a count.
+
+    The outcome is one store key that the first to decide sets: the last rank to join sets it to ``ok``, a
+    rank whose deadline passed first to the names of the missing ranks, so that every rank names the same
+    absent ones, late joiners included. After a failure rank 0 keeps serving the store until the ranks that
+    joined have read the outcome (at most ``PS_HEARTBEAT_TIMEOUT``): were it to exit at once, they would find
+    the store gone and name rank 0 instead."""
     where = f"{cfg.root_uri}:{cfg.dist_port}"
     serving = f"worker rank 0, which serves the rendezvous store at {where},"
     deadline = time.monotonic() + cfg.register_timeout
@@ -255,22 +261,33 @@ def _join(cfg: CommConfig) -> dist.TCPStore:
             f"{serving} did not answer within {cfg.register_timeout:g} s (PS_REGISTER_TIMEOUT): {exc}"
         ) from None
     keys = [f"tagps/joined/{r}" for r in range(cfg.size)]
+    count, outcome, seen = "tagps/joined", "tagps/join-outcome", "tagps/join-outcome-seen"
     try:
         store.set(keys[cfg.rank], "1")
-        while not store.check(keys):
+        if store.add(count, 1) == cfg.size:
+            store.compare_set(outcome, "", "ok")
+        while not store.check([outcome]):
             if time.monotonic() > deadline:
                 missing = [str(r) for r, k in enumerate(keys) if not store.check([k])]
                 who = f"worker rank{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
-                raise PeerFailed(
+                store.compare_set(
+                    outcome, "",
                     f"{who} did not join the rendezvous at {where} within {cfg.register_timeout:g} s "
-                    "(PS_REGISTER_TIMEOUT)"
-                )
+                    "(PS_REGISTER_TIMEOUT)",
+                )  # fmt: skip
+                break
             time.sleep(0.05)
-    except PeerFailed:
-        raise
+        verdict = store.get(outcome).decode()
+        if verdict == "ok":
+            return store
+        store.add(seen, 1)
+        if cfg.rank == 0:
+            until = time.monotonic() + cfg.heartbeat_timeout
+            while store.add(seen, 0) < store.add(count, 0) and time.monotonic() < until:
+                time.sleep(0.05)
     except RuntimeError as exc:  # the store's connection broke: its server, rank 0, is gone
         raise PeerFailed(f"{serving} failed during the rendezvous: {exc}") from None
-    return store
+    raise PeerFailed(verdict)
 
 
 class _ThreadWork:
@@ -416,7 +433,6 @@ class PeerWatcher:
                     f"worker rank 0 failed (the rendezvous store it serves at {cfg.root_uri}:{cfg.dist_port} "
                     f"is unreachable: {exc})"
                 )
-
 
     def _mark_seen(self, store: dist.TCPStore) -> None:
         """Count this rank among those that read the verdict, once (both threads may read it)."""
