@@ -17,6 +17,10 @@ the job (the others are stopped) and becomes bpslaunch's own status, and on exit
 A child's exit is observed with ``waitid(WNOWAIT)`` so its pid, and so its process group id, cannot be
 reused before the final ``SIGKILL`` reaches the group. Children also get ``PR_SET_PDEATHSIG`` so that even
 a ``SIGKILL`` of bpslaunch itself leaves no worker behind.
+
+The job's shared-memory arenas live in a private directory ``TAGPS_SHM_DIR/tagps-job-*``, which records
+its bpslaunch and is removed when the job ends, a stop signal included; one whose bpslaunch was killed with
+``SIGKILL`` is removed by the next bpslaunch that starts on the machine.
 """
 
 from __future__ import annotations
@@ -35,13 +39,16 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO
 
+from tagps.atomic import write_text_atomic
 from tagps.config import ConfigError, comm_config, launcher_config, ps_config
 
 __all__ = ["LaunchError", "ProcessSpec", "free_ports", "local_job", "main", "role_job", "run_processes"]
 
 _PR_SET_PDEATHSIG = 1
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Variables that describe one process's place in a job; local mode sets them per child and never passes
 # the parent's values through.
 _LAYOUT_VARS = (
@@ -223,8 +230,7 @@ class _Supervisor:
         return True
 
     def run(self) -> int:
-        stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        handlers = {s: signal.signal(s, self._on_signal) for s in stop_signals}
+        handlers = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS}
         try:
             try:
                 for spec in self.specs:
@@ -464,19 +470,83 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_JOB_DIR_PREFIX = "tagps-job-"
+_OWNER = ".bpslaunch"  # in a job directory: "PID STARTTIME" of the bpslaunch that made it
+
+
+class _Stopped(BaseException):
+    """A stop signal reached bpslaunch while no supervisor ran (preparing the job or cleaning up)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_unwind() -> Iterator[None]:
+    """Turn the first ``SIGINT``, ``SIGTERM`` or ``SIGHUP`` into :class:`_Stopped` (and ignore later ones),
+    so that a signal while no supervisor handles it still runs the clean-ups on its way out, where the
+    default action would end bpslaunch at once. :func:`run_processes` installs its own handlers meanwhile."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        for s in _STOP_SIGNALS:  # one is enough: a second must not cut the clean-ups short
+            signal.signal(s, signal.SIG_IGN)
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _start_time(pid: int) -> str | None:
+    """Return when process ``pid`` started (``/proc/PID/stat`` field 22, clock ticks since boot), ``None``
+    when there is no such process; with the pid it names one process, even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # the fields after the command name start at field 3
+
+
+def _sweep_stale_job_dirs(base: str) -> None:
+    """Remove the job directories in ``base`` whose bpslaunch is gone: one killed with ``SIGKILL`` cannot
+    remove its own. A directory that names no owner (being made, or made by an older bpslaunch) or that
+    cannot be read (another user's) is left alone."""
+    for path in Path(base).glob(f"{_JOB_DIR_PREFIX}*"):
+        try:
+            pid, started = (path / _OWNER).read_text().split()
+            alive = _start_time(int(pid)) == started
+        except (OSError, ValueError):
+            continue
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _job_shm_dir(base: str) -> Iterator[str]:
-    """Make a private directory in ``base`` for the job's shared-memory arenas; remove it, whatever is left
-    in it, once every child is reaped (a process killed between creating an arena and unlinking it, or
-    stopped with SIGTERM, cannot remove its own)."""
+    """Make a private directory in ``base`` for the job's shared-memory arenas, recording this process as its
+    owner; remove it, whatever is left in it, once every child is reaped (a process killed between creating
+    an arena and unlinking it, or stopped with SIGTERM, cannot remove its own). First remove the directories
+    of earlier bpslaunch processes that are gone (see :func:`_sweep_stale_job_dirs`)."""
+    _sweep_stale_job_dirs(base)
     try:
-        path = tempfile.mkdtemp(prefix="tagps-job-", dir=base)
+        path = tempfile.mkdtemp(prefix=_JOB_DIR_PREFIX, dir=base)
     except OSError as exc:
         raise ValueError(f"TAGPS_SHM_DIR={base!r}: cannot make the job's arena directory: {exc}") from None
     try:
+        write_text_atomic(Path(path) / _OWNER, f"{os.getpid()} {_start_time(os.getpid())}")
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        # A stop signal now must not cut the removal short (the supervisor, if any, has stopped already).
+        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            for s, handler in ignored.items():
+                signal.signal(s, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -488,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--servers and --local-size only apply with --local")
     try:
         cfg = launcher_config(os.environ, local=args.local is not None)
-        with _job_shm_dir(cfg.shm_dir) as shm_dir:
+        with _stop_signals_unwind(), _job_shm_dir(cfg.shm_dir) as shm_dir:
             env = {**os.environ, "TAGPS_SHM_DIR": shm_dir}
             if args.local is not None:
                 servers = 1 if args.servers is None else args.servers
@@ -501,6 +571,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"bpslaunch: error: {exc}", file=sys.stderr)
         return 2
+    except _Stopped as stop:
+        print(f"bpslaunch: received {signal.Signals(stop.signum).name}; stopped", file=sys.stderr)
+        return 128 + stop.signum
 
 
 if __name__ == "__main__":

@@ -278,9 +278,11 @@ def test_signal_to_bpslaunch_tears_everything_down(child: tuple[Path, Path], sig
     _assert_all_gone(pids, 4)
 
 
-def test_sigkill_of_bpslaunch_still_kills_the_workers(child: tuple[Path, Path]) -> None:
+def test_sigkill_of_bpslaunch_still_kills_the_workers(child: tuple[Path, Path], tmp_path: Path) -> None:
     _, pids = child
-    with _bpslaunch_running(*_local(1, 0, *_child_argv(child, "sleep"), local_size=2), output=False) as proc:
+    env = _clean_env(TAGPS_SHM_DIR=str(tmp_path))  # the job directory it leaves is not /dev/shm's
+    args = _local(1, 0, *_child_argv(child, "sleep"), local_size=2)
+    with _bpslaunch_running(*args, env=env, output=False) as proc:
         _wait_recorded(pids, 4, proc)
         proc.kill()
         proc.wait(timeout=TIMEOUT)
@@ -580,6 +582,81 @@ def test_workers_share_a_shm_dir_that_is_removed_with_what_a_killed_worker_left(
     dirs = {line.partition("] ")[2] for line in res.stdout.splitlines() if line.startswith("[worker")}
     assert len(dirs) == 1 and Path(dirs.pop()).parent == base, res.stdout
     assert list(base.iterdir()) == []
+
+
+def _owner_of(pid: int) -> str:
+    """What a job directory records of bpslaunch ``pid``: the pid and its start time (/proc/PID/stat)."""
+    return f"{pid} {Path(f'/proc/{pid}/stat').read_text().rpartition(')')[2].split()[19]}"
+
+
+def _job_dirs(base: Path) -> list[str]:
+    return sorted(p.name for p in base.glob("tagps-job-*"))
+
+
+def test_a_job_dir_whose_bpslaunch_is_gone_is_swept_by_the_next_one(tmp_path: Path) -> None:
+    base = tmp_path / "shm"
+    base.mkdir()
+    env = _clean_env(TAGPS_SHM_DIR=str(base))
+    # A bpslaunch killed with SIGKILL leaves its directory (its worker dies with it: PR_SET_PDEATHSIG).
+    sleeper = _local(1, 0, sys.executable, "-c", "import time; time.sleep(120)")
+    with _bpslaunch_running(*sleeper, env=env, output=False) as proc:
+        deadline = time.monotonic() + TIMEOUT
+        while not list(base.glob("tagps-job-*/.bpslaunch")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = _job_dirs(base)
+        assert len(killed) == 1 and (base / killed[0] / ".bpslaunch").read_text() == _owner_of(proc.pid)
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
+    assert _job_dirs(base) == killed
+    # Others: a pid that is dead, a live pid with another start time (reused), a live owner (this test),
+    # and one that names no owner (an older bpslaunch's, or one being made): only the first two are stale.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    owners = {
+        "tagps-job-dead": f"{int(dead.stdout)} 1",
+        "tagps-job-reused": f"{os.getpid()} 1",
+        "tagps-job-live": _owner_of(os.getpid()),
+        "tagps-job-unowned": None,
+    }
+    for name, owner in owners.items():
+        (base / name).mkdir()
+        (base / name / "arena").write_bytes(b"x")
+        if owner is not None:
+            (base / name / ".bpslaunch").write_text(owner)
+    res = _bpslaunch(*_local(1, 0, sys.executable, "-c", "pass"), env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _job_dirs(base) == ["tagps-job-live", "tagps-job-unowned"]
+
+
+# The signal arrives while bpslaunch prepares the job, before its supervisor handles signals: without a
+# handler of its own, SIGTERM and SIGHUP would end it at once and leave its directory behind.
+PREPARE_AND_SIGNAL = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from tagps import launcher
+    real = launcher.local_job
+    def local_job(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(30)
+        return real(*args, **kwargs)
+    launcher.local_job = local_job
+    sys.exit(launcher.main(["--local", "1", "--servers", "0", "--", sys.executable, "-c", "pass"]))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_before_the_job_starts_removes_the_job_dir(tmp_path: Path, sig: signal.Signals) -> None:
+    base = tmp_path / "shm"
+    base.mkdir()
+    res = subprocess.run(
+        [sys.executable, "-c", PREPARE_AND_SIGNAL, sig.name], capture_output=True, text=True, timeout=TIMEOUT,
+        env=_clean_env(TAGPS_SHM_DIR=str(base)),
+    )  # fmt: skip
+    assert res.returncode == 128 + sig, res.stdout + res.stderr
+    assert f"bpslaunch: received {sig.name}; stopped" in res.stderr, res.stderr
+    assert _job_dirs(base) == []
 
 
 def test_a_shm_dir_that_cannot_be_made_is_refused_by_name(tmp_path: Path, child: tuple[Path, Path]) -> None:
