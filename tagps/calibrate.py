@@ -319,7 +319,9 @@ def _cluster_allreduces(
 
 
 def _job_samples(executor: Any, models: Sequence[str], steps: int) -> list[RunSample]:
-    """Whole training jobs on the calibration cluster: DDP, tagps all-reduce and tagps PS per model."""
+    """Whole training jobs on the calibration cluster: DDP, tagps all-reduce and tagps PS per model, and tagps
+    all-reduce on the first machine alone: rings of two sizes, so that the CPU of a collective's steps and of
+    its calls can be told apart (:func:`~tagps.strategy.calibration.fit_runs`)."""
     from tagps.cluster.experiment import ddp_plan, run_plan
     from tagps.strategy.baselines import byteps_like, data_parallel_plan, even_shares
     from tagps.strategy.graph import model_graph
@@ -333,6 +335,9 @@ def _job_samples(executor: Any, models: Sequence[str], steps: int) -> list[RunSa
         grouping = group_ops(graph, 4)
         sim = Simulator(graph, grouping, executor.topology)
         overlapped = CommSettings(overlap=True)
+        first = sim.dgroups[0]
+        on_first = f"{first.name}:"
+        alone = {d: _BATCH // first.count if d.startswith(on_first) else 0 for d in sim.topology.devices()}
         plans = {
             "ddp": (ddp_plan(sim, _BATCH), "ddp"),
             "allreduce": (
@@ -340,6 +345,7 @@ def _job_samples(executor: Any, models: Sequence[str], steps: int) -> list[RunSa
                 "tagps",
             ),
             "ps": (dataclasses.replace(byteps_like(sim, _BATCH), comm=overlapped), "tagps"),
+            f"allreduce on {first.name}": (data_parallel_plan(sim, _BATCH, alone, comm=overlapped), "tagps"),
         }
         for name, (plan, runtime) in plans.items():
             result = run_plan(executor, model, plan, runtime, steps=steps, warmup=2)
@@ -441,7 +447,8 @@ def calibrate_stages(
                 names += [f"job: {r.name}" for r in runs]
                 log(
                     f"job fit on {len(runs)} runs: CPU per collective step {cal.collective_step_s * 1e6:.0f} "
-                    f"us, per PS message {cal.message_overhead_s * 1e6:.0f} us, "
+                    f"us, per collective call {cal.collective_call_s * 1e6:.0f} us, "
+                    f"per PS message {cal.message_overhead_s * 1e6:.0f} us, "
                     f"mean error {job_err:.1%}{_on_bound(cal)}"
                 )
                 stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))

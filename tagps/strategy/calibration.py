@@ -27,12 +27,13 @@ that ends on an end of its range is a failure of the cost model, not a fit: the 
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 
 The CPU that communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
-comes from four host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
+comes from five host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
 0 when not costed (a calibration without them predicts as before). Two are measured by micro-benchmarks:
 ``message_copies``, the memory passes per byte at ``memory_bandwidth`` that each side of a message costs
-(one side of a loopback TCP transfer), and the summation kernel's ``sum_bandwidth``. Two are what the
+(one side of a loopback TCP transfer), and the summation kernel's ``sum_bandwidth``. Three are what the
 runtimes add, fitted on whole jobs (:func:`fit_runs`): the ZeroMQ I/O thread's ``message_overhead_s`` per
-4 MB partition and ``collective_step_s``, the CPU of one ring step of a collective on each rank.
+4 MB partition, ``collective_step_s``, the CPU of one ring step of a collective on each rank, and
+``collective_call_s``, the CPU of launching one collective call (once per call, whatever the ring's size).
 """
 
 from __future__ import annotations
@@ -184,6 +185,13 @@ class Calibration:
     collective_step_s: float = _host_cpu(
         "CPU time of one ring step of a collective on each rank, on one full core", 1e-6, 5e-3, "s"
     )
+    # A call is at least a framework dispatch (microseconds); 5 ms of CPU to launch one is not launching.
+    collective_call_s: float = _host_cpu(
+        "CPU time of launching and completing one collective call on each rank, on one full core",
+        1e-6,
+        5e-3,
+        "s",
+    )
     at_bound: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -277,6 +285,7 @@ class Calibration:
             sum_s_per_byte=1 / self.sum_bandwidth if self.sum_bandwidth else 0.0,
             message_s=self.message_overhead_s,
             collective_step_s=self.collective_step_s,
+            collective_call_s=self.collective_call_s,
         )
 
     def simulator(self, graph: Graph, grouping: Grouping, topology: Topology, seed: int = 0) -> Simulator:
@@ -539,7 +548,9 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
 
     The links keep the constants their all-reduce probes measured (:func:`fit_comm`); what a training
     job adds on top is CPU: each ring step's work on every rank (``collective_step_s``, which a quota'd
-    rank runs slowly) and the ZeroMQ I/O per PS partition (``message_overhead_s``). Minimises the squared
+    rank runs slowly), launching each collective call (``collective_call_s``) and the ZeroMQ I/O per PS
+    partition (``message_overhead_s``). The runs must hold rings of more than one size, or steps and calls
+    cannot be told apart. Minimises the squared
     log ratio of the calibrated simulator's iteration time to the measured one over ``runs``, inside the
     constants' physical ranges; a constant that stops on a bound shows in :attr:`Calibration.at_bound`.
 
@@ -547,14 +558,14 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         The refitted calibration and its mean absolute relative error on ``runs``.
 
     Raises:
-        ValueError: fewer runs than three.
+        ValueError: fewer runs than constants to fit.
     """
-    if len(runs) < 3:
-        raise ValueError(f"fitting the runtimes' CPU constants needs at least 3 runs, got {len(runs)}")
+    if len(runs) < 4:
+        raise ValueError(f"fitting the runtimes' CPU constants needs at least 4 runs, got {len(runs)}")
     from scipy.optimize import least_squares
 
-    names = ("collective_step_s", "message_overhead_s")
-    units = (1e-3, 1e-3)  # fitted in milliseconds
+    names = ("collective_step_s", "collective_call_s", "message_overhead_s")
+    units = (1e-3, 1e-3, 1e-3)  # fitted in milliseconds
 
     def with_x(x: Sequence[float]) -> Calibration:
         return dataclasses.replace(start, **_constants(names, units, x))

@@ -58,37 +58,49 @@ FUSION_COPIES = 2  # a fused buffer is copied in and out once
 PS_PARTITION_BYTES = 4_096_000  # BytePS's default BYTEPS_PARTITION_BYTES
 
 
-def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float, count: int = 1) -> float:
+def ring_allreduce_time(
+    nbytes: float, n: int, bandwidth: float, latency: float, count: int = 1, step_cpu: float = 0.0
+) -> float:
     """Return the time of a ring all-reduce.
 
+    Each of the :math:`2(n-1)` steps moves :math:`S/n` over the slowest link while the ranks do the step's CPU
+    work (:math:`\\gamma` per tensor, :class:`HostCpu`); the two overlap (the transport streams a chunk while
+    the previous one is summed), so a step takes the longer of them:
+
     .. math::
-        t = \\frac{2(n-1)}{n}\\frac{S}{B_{min}} + 2(n-1)\\,\\alpha\\,c
+        t = 2(n-1)\\left(\\max\\left(\\frac{S}{n B_{min}}, \\gamma c\\right) + \\alpha c\\right)
 
     Args:
         nbytes: bytes reduced (S).
         n: number of devices in the ring (1 means no communication).
         bandwidth: the slowest link of the ring in bytes/s (B_min).
-        latency: per-message latency (alpha).
-        count: number of tensors (each pays the latency term).
+        latency: per-message latency of the wire (alpha).
+        count: number of tensors (each pays the latency and CPU terms).
+        step_cpu: seconds of CPU per step and tensor on the slowest member (gamma; 0: not costed).
     """
     if n < 1 or bandwidth <= 0:
         raise ValueError(f"ring all-reduce needs n >= 1 and bandwidth > 0, got n={n}, bandwidth={bandwidth}")
     if n == 1 or nbytes <= 0:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency * count
+    return 2 * (n - 1) * (max(nbytes / (n * bandwidth), step_cpu * count) + latency * count)
 
 
-def allgather_time(nbytes: float, n: int, bandwidth: float, latency: float, count: int = 1) -> float:
-    """Return the time of a ring all-gather of ``nbytes`` in total.
+def allgather_time(
+    nbytes: float, n: int, bandwidth: float, latency: float, count: int = 1, step_cpu: float = 0.0
+) -> float:
+    """Return the time of a ring all-gather of ``nbytes`` in total (steps as in :func:`ring_allreduce_time`).
 
     .. math::
-        t = \\frac{n-1}{n}\\frac{S}{B_{min}} + (n-1)\\,\\alpha\\,c
+        t = (n-1)\\left(\\max\\left(\\frac{S}{n B_{min}}, \\gamma c\\right) + \\alpha c\\right)
     """
     if n < 1 or bandwidth <= 0:
         raise ValueError(f"all-gather needs n >= 1 and bandwidth > 0, got n={n}, bandwidth={bandwidth}")
     if n == 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency * count
+    return (n - 1) * (max(nbytes / (n * bandwidth), step_cpu * count) + latency * count)
+
+
+_HOST_CPU_COSTS = ("copy_s_per_byte", "sum_s_per_byte", "message_s", "collective_step_s", "collective_call_s")
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,12 @@ class HostCpu:
         collective_step_s: per step of a collective (one message each rank sends and receives in a ring
             step): the runtime's and the transport's CPU work. A rank runs it at its device's share of a
             core, so a ring step waits for the slowest member: ``collective_step_s / q_min`` adds to the
-            step's latency. This is what makes many small all-reduces slow on a quota'd machine.
+            step's time, which the wire's transfer of the step hides when it takes longer
+            (:func:`ring_allreduce_time`). This is what makes many small all-reduces slow on a quota'd
+            machine.
+        collective_call_s: per collective call (one tensor, or one fused bucket): launching it and waiting
+            for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
+            call whatever the ring's size; at the slowest member's share like ``collective_step_s``.
     """
 
     core_flops: float
@@ -116,11 +133,12 @@ class HostCpu:
     sum_s_per_byte: float = 0.0
     message_s: float = 0.0
     collective_step_s: float = 0.0
+    collective_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.core_flops < float("inf"):
             raise ValueError(f"HostCpu: core_flops must be positive and finite, got {self.core_flops!r}")
-        for name in ("copy_s_per_byte", "sum_s_per_byte", "message_s", "collective_step_s"):
+        for name in _HOST_CPU_COSTS:
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"HostCpu: {name} must be >= 0 and finite, got {value!r}")
@@ -128,7 +146,24 @@ class HostCpu:
     @property
     def costed(self) -> bool:
         """Whether any cost is non-zero (else the simulator skips this model: the old results exactly)."""
-        return bool(self.copy_s_per_byte or self.sum_s_per_byte or self.message_s or self.collective_step_s)
+        return any(getattr(self, name) for name in _HOST_CPU_COSTS)
+
+
+class _Ring(NamedTuple):
+    """A ring over some device groups: its slowest link (bytes/s), wire latency, the slowest member's CPU
+    per step and per call (:class:`HostCpu`), and the channels (resources) it occupies."""
+
+    bandwidth: float
+    latency: float
+    step_cpu: float
+    call_cpu: float
+    channels: tuple[int, ...]
+
+    def allreduce_time(self, nbytes: float, n: int) -> float:
+        """One all-reduce call of ``nbytes`` over ``n`` devices: the ring plus launching the call."""
+        if n == 1 or nbytes <= 0:
+            return 0.0
+        return ring_allreduce_time(nbytes, n, self.bandwidth, self.latency, 1, self.step_cpu) + self.call_cpu
 
 
 @dataclass(frozen=True)
@@ -587,7 +622,7 @@ class _TaskGraph:
                 continue
             per = self.layouts[i]
             members, n = sim._members(per)
-            ar_bytes = ar_count = 0
+            ar_sizes: list[int] = []
             ps_bytes: dict[int, list[float]] = {}  # server device group -> [bytes, tensors, partitions]
             sfb: list[str] = []
             for name in names:
@@ -596,8 +631,7 @@ class _TaskGraph:
                     raise ValueError(f"plan has no gradient entry for parameter {name!r}")
                 sync = entry.sync
                 if sync == "allreduce":
-                    ar_bytes += params[name]
-                    ar_count += 1
+                    ar_sizes.append(params[name])
                 elif sync == "ps":
                     servers = plan.ps_servers or gp.placement
                     ns = len(servers)
@@ -615,25 +649,25 @@ class _TaskGraph:
             if n == 1 or not names:
                 continue
             deps = [barrier] if barrier is not None else [bwd_done[i][g] for g in per]
-            if ar_bytes:
+            if ar_sizes:
                 if fusion:
                     if bucket is not None and bucket.members != members:
                         self._flush(bucket)
                         bucket = None
                     if bucket is None:
                         bucket = _FusionBucket(members)
-                    bucket.nbytes += ar_bytes
+                    bucket.nbytes += sum(ar_sizes)
                     bucket.groups.append(i)
                     if bucket.nbytes >= (first_cap if self.flushed == 0 else fusion):
                         self._flush(bucket)
                         bucket = None
-                else:
-                    bmin, lat, res = sim._ring(members)
-                    t = add(
-                        ring_allreduce_time(ar_bytes, n, bmin, lat, ar_count), res, deps, ("allreduce", i, -1)
-                    )
+                else:  # one all-reduce per tensor: each step hides its CPU behind the wire or not
+                    ring = sim._ring(members)
+                    dur = sum(ring.allreduce_time(size, n) for size in ar_sizes)
+                    t = add(dur, ring.channels, deps, ("allreduce", i, -1))
                     for g in per:
                         sync_done[g].append(t)
+                    self._ring_cpu(members, sum(ar_sizes), deps, i)
             for s, (nbytes, count, partitions) in ps_bytes.items():
                 coef, res, remote = sim._ps(members, s)
                 dur = 2 * nbytes * coef + 2 * count * (inter_lat if remote else intra_lat)
@@ -650,13 +684,14 @@ class _TaskGraph:
                     if g in per:
                         sync_done[g].append(t)
             if sfb:
-                bmin, lat, res = sim._ring(members)
+                ring = sim._ring(members)
                 for name in sfb:
                     op = ops[owner[name]]
                     per_sample, dup_flops = sim.sfb_factors(name, gradients[name].sfb_ops)
                     factor = per_sample * fbatch
                     self.sfb_bytes[i] += factor
-                    t = add(allgather_time(factor, n, bmin, lat), res, deps, ("sfb", i, -1))
+                    gather = allgather_time(factor, n, ring.bandwidth, ring.latency, step_cpu=ring.step_cpu)
+                    t = add(gather + ring.call_cpu, ring.channels, deps, ("sfb", i, -1))
                     wgrad = op.fwd_flops * params[name] / max(op.param_bytes, 1) + dup_flops
                     for g, row in per.items():
                         extra = dtypes[g].op_time(wgrad * (fbatch - max(row)), factor)
@@ -667,16 +702,37 @@ class _TaskGraph:
     def _flush(self, bucket: _FusionBucket) -> None:
         """Add the fused all-reduce of ``bucket``: one latency term, plus copying in and out of the buffer."""
         sim, members, nbytes = self.sim, bucket.members, bucket.nbytes
-        bmin, lat, res = sim._ring(members)
+        ring = sim._ring(members)
         n = sum(members.values())
-        dur = ring_allreduce_time(nbytes, n, bmin, lat) + FUSION_COPIES * nbytes / (
+        dur = ring.allreduce_time(nbytes, n) + FUSION_COPIES * nbytes / (
             min(sim.dtypes[g].memory_bandwidth * sim.dtypes[g].memory_efficiency for g in members)
         )
         deps = [self.bwd_done[i][g] for i in bucket.groups for g in members]
         self.flushed += 1
-        t = self.sched.add(dur, res, deps, ("allreduce", bucket.groups[0], -1))
+        t = self.sched.add(dur, ring.channels, deps, ("allreduce", bucket.groups[0], -1))
         for g in members:
             self.sync_done[g].append(t)
+        self._ring_cpu(members, nbytes, deps, bucket.groups[0])
+
+    def _ring_cpu(self, members: dict[int, int], nbytes: float, deps: list[int], group: int) -> None:
+        """Take the CPU of a ring all-reduce's bytes from each costed member machine's compute.
+
+        Each of a machine's :math:`m` ranks sends and receives :math:`2(n-1)/n \\cdot S` and sums
+        :math:`(n-1)/n \\cdot S`; on a CPU machine that work shares the quota with the backward pass it
+        overlaps, so it runs on the machine's compute stream at its :math:`q` cores:
+
+        .. math::
+            t_g = \\frac{m_g S}{q_g}\\cdot\\frac{n-1}{n}\\left(4 c_{copy} + c_{sum}\\right)
+        """
+        host, cores = self.sim.host_cpu, self.sim._cpu_cores
+        if host is None:
+            return
+        n = sum(members.values())
+        per_byte = (n - 1) / n * (4 * host.copy_s_per_byte + host.sum_s_per_byte)
+        for g, m in members.items():
+            if cores[g] and per_byte:
+                t = self.sched.add(m * nbytes * per_byte / cores[g], (g,), deps, ("allreduce-cpu", group, g))
+                self.sync_done[g].append(t)
 
     def apply(self) -> None:
         """Sum the memory per device and add one apply task per device group, after its syncs."""
@@ -779,12 +835,18 @@ class Simulator:
             else 0.0
             for g, t in zip(self.dgroups, self.dtypes, strict=True)
         ]
-        # CPU seconds of one collective step on each device group's ranks (each at its device's share).
-        step = host_cpu.collective_step_s if host_cpu is not None else 0.0
-        self._step_s = [
-            step * host_cpu.core_flops / min(t.peak_flops, host_cpu.core_flops) if step and cores else 0.0
+        # CPU seconds of one collective step and of one collective call on each device group's ranks (each
+        # at its device's share of a core).
+        slowdown = [
+            host_cpu.core_flops / min(t.peak_flops, host_cpu.core_flops)
+            if host_cpu is not None and cores
+            else 0.0
             for t, cores in zip(self.dtypes, self._cpu_cores, strict=True)
         ]
+        step = host_cpu.collective_step_s if host_cpu is not None else 0.0
+        call = host_cpu.collective_call_s if host_cpu is not None else 0.0
+        self._step_s = [step * x for x in slowdown]
+        self._call_s = [call * x for x in slowdown]
         self.param_index = {name: i for i, name in enumerate(graph.params)}
         owner_op: dict[str, int] = {}
         for i, op in enumerate(graph.ops):
@@ -821,7 +883,7 @@ class Simulator:
         for src, dst, nbytes in graph.edges:
             if op_group[src] == op_group[dst]:
                 self._inner_edges[op_group[src]].append((src, dst, nbytes))
-        self._ring_cache: dict[tuple[tuple[int, int], ...], tuple[float, float, tuple[int, ...]]] = {}
+        self._ring_cache: dict[tuple[tuple[int, int], ...], _Ring] = {}
         self._ps_cache: dict[
             tuple[tuple[tuple[int, int], ...], int], tuple[float, tuple[int, ...], bool]
         ] = {}
@@ -926,32 +988,37 @@ class Simulator:
         traffic = APPLY_TRAFFIC[optimizer] * param_bytes
         return traffic / (dtype.memory_bandwidth * dtype.memory_efficiency) + nparams * dtype.op_overhead_s
 
-    def _ring(self, members: dict[int, int]) -> tuple[float, float, tuple[int, ...]]:
-        """Slowest link, latency and channels of a ring over ``{device group: participating devices}``."""
+    def _ring(self, members: dict[int, int]) -> _Ring:
+        """The links, CPU costs and channels of a ring over ``{device group: participating devices}``."""
         key = tuple(members.items())
         hit = self._ring_cache.get(key)
         if hit is None:
             hit = self._ring_cache[key] = self._ring_uncached(members)
         return hit
 
-    def _ring_uncached(self, members: dict[int, int]) -> tuple[float, float, tuple[int, ...]]:
+    def _ring_uncached(self, members: dict[int, int]) -> _Ring:
         n = len(self.dgroups)
         inner = [g for g, m in members.items() if m > 1]
-        # A step also waits for the slowest member's CPU (HostCpu.collective_step_s; 0 when not costed).
-        cpu = max(self._step_s[g] for g in members)
+        # A step and a call also wait for the slowest member's CPU (HostCpu; 0 when not costed).
+        step = max(self._step_s[g] for g in members)
+        call = max(self._call_s[g] for g in members)
         if len(members) == 1:
             (g,) = members
-            return self.bw[g][g], self.topology.intra_latency_s + cpu, (2 * n + g,)
+            return _Ring(self.bw[g][g], self.topology.intra_latency_s, step, call, (2 * n + g,))
         bmin = min(self.bw[a][b] for a in members for b in members if a != b)
         for g in inner:
             bmin = min(bmin, self.bw[g][g])
         res = tuple(n + g for g in members) + tuple(2 * n + g for g in inner)
-        return bmin, self.topology.inter_latency_s + cpu, res
+        return _Ring(bmin, self.topology.inter_latency_s, step, call, res)
 
     def ring_link(self, members: dict[int, int]) -> tuple[float, float]:
-        """Slowest link (bytes/s) and per-message latency of a ring over ``{device group: devices}``."""
-        bmin, latency, _ = self._ring(members)
-        return bmin, latency
+        """Slowest link (bytes/s) and per-message latency of a ring over ``{device group: devices}``.
+
+        The latency counts the slowest member's CPU per step as well (exact for small messages, where the
+        wire does not hide it; :func:`ring_allreduce_time` takes the two apart).
+        """
+        ring = self._ring(members)
+        return ring.bandwidth, ring.latency + ring.step_cpu
 
     def _members(self, per: dict[int, list[float]]) -> tuple[dict[int, int], int]:
         """Participating devices per device group of a replicated layout, and their total."""

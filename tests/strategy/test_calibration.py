@@ -207,25 +207,36 @@ def test_calibrated_simulator_predicts_plans_of_the_measured_topology() -> None:
     assert slower.evaluate(slower.simulator(graph, grouping, measured), plan) > calibrated > 0
 
 
+BASELINE_NAMES = ("dp-nccl", "byteps-like")
+
+
 def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
-    from tagps.strategy.baselines import BASELINES
+    from tagps.strategy.baselines import BASELINES, data_parallel_plan
     from tagps.strategy.plan import CommSettings
 
     graph = _graph(256)
     grouping = group_ops(graph, 3)
-    groups = tuple(DeviceGroup(n, "CPU", 1, 40.0, peak_flops=100e9 * q) for n, q in (("a", 0.5), ("b", 0.25)))
+    groups = tuple(
+        DeviceGroup(n, "CPU", k, 40.0, peak_flops=100e9 * q) for n, k, q in (("a", 2, 0.5), ("b", 1, 0.25))
+    )
     topo = Topology("quota", groups, 1.0)
-    truth = dataclasses.replace(CAL, collective_step_s=200e-6, message_overhead_s=40e-6)
+    truth = dataclasses.replace(
+        CAL, collective_step_s=200e-6, collective_call_s=300e-6, message_overhead_s=40e-6
+    )
     runs = []
     for fusion in (0, 1 << 20):
         sim = truth.simulator(graph, grouping, topo)
-        for name in ("dp-nccl", "byteps-like"):
-            plan = dataclasses.replace(BASELINES[name](sim, 16), comm=CommSettings(True, fusion))
+        comm = CommSettings(True, fusion)
+        plans = {name: dataclasses.replace(BASELINES[name](sim, 16), comm=comm) for name in BASELINE_NAMES}
+        # A ring of another size (a's two devices alone), so that steps and calls can be told apart.
+        plans["a alone"] = data_parallel_plan(sim, 16, {"a:0": 8, "a:1": 8, "b:0": 0}, comm=comm)
+        for name, plan in plans.items():
             runs.append(RunSample(f"{name}/{fusion}", graph, grouping, topo, plan, truth.evaluate(sim, plan)))
     fitted, error = fit_runs(CAL, runs)
     assert error < 1e-3
-    assert fitted.collective_step_s == pytest.approx(200e-6, rel=0.02)
+    assert fitted.collective_step_s == pytest.approx(200e-6, rel=0.05)
+    assert fitted.collective_call_s == pytest.approx(300e-6, rel=0.05)
     assert fitted.message_overhead_s == pytest.approx(40e-6, rel=0.05)
     assert fitted.at_bound == ()
-    with pytest.raises(ValueError, match="at least 3 runs"):
-        fit_runs(CAL, runs[:2])
+    with pytest.raises(ValueError, match="at least 4 runs"):
+        fit_runs(CAL, runs[:3])

@@ -105,6 +105,15 @@ def test_collective_formulas_and_errors():
         allgather_time(1.0, 2, 0.0, 0.0)
 
 
+def test_a_ring_step_takes_the_longer_of_its_transfer_and_its_cpu():
+    # 1 GB over 4 devices at 1 GB/s: 6 steps of 0.25 s each; 1 ms of CPU per step hides behind the wire.
+    assert ring_allreduce_time(1e9, 4, 1e9, 0.0, step_cpu=1e-3) == pytest.approx(1.5)
+    # 1 kB: the CPU sets each step, once per tensor, and the wire latency adds to it.
+    assert ring_allreduce_time(1e3, 4, 1e9, 0.0, step_cpu=1e-3) == pytest.approx(6e-3)
+    assert ring_allreduce_time(1e3, 4, 1e9, 1e-5, count=3, step_cpu=1e-3) == pytest.approx(6 * 3 * 1.01e-3)
+    assert allgather_time(1e3, 4, 1e9, 0.0, step_cpu=1e-3) == pytest.approx(3e-3)
+
+
 def test_ps_task_matches_the_formula(mlp):
     topo = topology(
         ("a", "1080Ti", 2), ("b", "1080Ti", 2), ("c", "1080Ti", 1), inter_gbps=10.0, intra_gbps=80.0
@@ -401,7 +410,13 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
     measured = dataclasses.replace(cal, message_copies=2.0, sum_bandwidth=37e9, message_overhead_s=10e-6)
     assert cal.host_cpu() is None
     assert measured.host_cpu() == HostCpu(160e9, 2 / 17e9, 1 / 37e9, 10e-6)
-    assert set(HOST_CPU) == {"message_copies", "sum_bandwidth", "message_overhead_s", "collective_step_s"}
+    assert set(HOST_CPU) == {
+        "message_copies",
+        "sum_bandwidth",
+        "message_overhead_s",
+        "collective_step_s",
+        "collective_call_s",
+    }
     for name, rng in HOST_CPU.items():
         assert rng.meaning and 0 < rng.low < rng.high, name
         with pytest.raises(ValueError, match=f"{name} .* must be 0 \\(not costed\\) or in its physical"):
@@ -457,6 +472,37 @@ def test_collective_steps_cost_the_slowest_members_cpu_and_zero_changes_nothing(
         BASELINES["dp-nccl"](base, 16), comm=CommSettings(overlap=True, fusion_bytes=64 << 20)
     )
     assert stepped.evaluate(fused).iteration_time - base.evaluate(fused).iteration_time < extra[0.25]
+
+
+def test_a_collective_call_costs_once_per_call_whatever_the_ring_size():
+    base = sim_for("vgg-mini", cpu_cluster(0.5))
+    unfused = CommSettings(overlap=True, fusion_bytes=0)
+    plan = dataclasses.replace(BASELINES["dp-nccl"](base, 16), comm=unfused)
+    called = Simulator(
+        base.graph, base.grouping, base.topology, host_cpu=HostCpu(160e9, collective_call_s=1e-3)
+    )
+    tasks = base.evaluate(plan, trace=True).tasks
+    plain = {t.name: t.end - t.start for t in tasks if t.category == "allreduce"}
+    for t in called.evaluate(plan, trace=True).tasks:
+        if t.category == "allreduce":  # 1 ms of CPU at half a core, once per tensor of the op group
+            tensors = len(base.groups[int(t.name.split("g")[-1])].param_names)
+            assert t.end - t.start == pytest.approx(plain[t.name] + tensors * 2e-3)
+
+
+def test_an_all_reduce_takes_the_cpu_of_its_bytes_from_the_members_compute():
+    base = sim_for("vgg-mini", cpu_cluster(0.5))
+    plan = dataclasses.replace(BASELINES["dp-nccl"](base, 16), comm=CommSettings(overlap=True))
+    copy = 1e-8  # s/B: slower than the 1 Gbit/s wire, so the CPU and not the link sets the pace
+    host = HostCpu(160e9, copy_s_per_byte=copy)
+    copying = Simulator(base.graph, base.grouping, base.topology, host_cpu=host)
+    result = copying.evaluate(plan, trace=True)
+    cpu = [t for t in result.tasks if t.category == "allreduce-cpu"]
+    assert {t.resource for t in cpu} == {"a/compute", "b/compute"}
+    # Each rank sends and receives S/2 in each half of the ring (reduce-scatter, all-gather): four copies of
+    # S/2, on a machine of half a core (the sum is not costed here).
+    nbytes = sum(base.graph.params.values())
+    assert sum(t.end - t.start for t in cpu) == pytest.approx(2 * nbytes * 0.5 * 4 * copy / 0.5)
+    assert result.iteration_time > base.evaluate(plan).iteration_time
 
 
 def test_an_early_first_bucket_starts_the_sync_during_backward():
