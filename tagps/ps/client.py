@@ -419,7 +419,12 @@ class PSClient:
             self._wait_event(event, "barrier")
 
     def close(self) -> None:
-        """Finalize: wait until every worker closed, then release the sockets. Idempotent."""
+        """Finalize: wait until every worker closed, then release the sockets. Idempotent.
+
+        A dead scheduler, server or worker ends the wait within ``PS_HEARTBEAT_TIMEOUT``; a worker that is
+        alive but does not close is waited for at most ``PS_REGISTER_TIMEOUT`` (as long as nodes wait for
+        the job to assemble), then this one leaves without the scheduler's SHUTDOWN, with a warning.
+        """
         with self._api_lock:
             if self._closed:
                 return
@@ -427,8 +432,14 @@ class PSClient:
             if self._fatal is None and self._thread.is_alive():
                 event = threading.Event()
                 self._submit(("close", event))
+                limit = self.config.register_timeout
                 try:
-                    self._wait_event(event, "close")
+                    if not self._wait_event(event, "close", limit):
+                        log.warning(
+                            "close: not every worker closed within %g s (PS_REGISTER_TIMEOUT); leaving "
+                            "without the scheduler's SHUTDOWN",
+                            limit,
+                        )
                 except RuntimeError as exc:
                     log.warning("close: %s", exc)
             self._submit(("stop",))
@@ -460,10 +471,13 @@ class PSClient:
             self._commands.append(command)
             self._wake_out.send(b"")
 
-    def _wait_event(self, event: threading.Event, what: str) -> None:
-        event.wait()
+    def _wait_event(self, event: threading.Event, what: str, timeout: float | None = None) -> bool:
+        """Wait for ``event`` (at most ``timeout`` s); return whether it was set, or raise
+        :class:`RuntimeError` when the client failed meanwhile (a failure sets every event)."""
+        done = event.wait(timeout)
         if self._fatal is not None:
             raise RuntimeError(f"{what} failed: {self._fatal}")
+        return done
 
     def _flush_locked(self) -> None:
         if not self._pending:

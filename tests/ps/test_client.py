@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -211,3 +213,45 @@ def test_server_error_fails_the_handle_and_then_the_client_with_its_text(ps_job)
         finally:
             client.close()
             server.close(shutdown=False)
+
+
+@pytest.mark.timeout(90)
+def test_close_leaves_after_the_register_timeout_when_a_live_worker_never_closes(ps_job, caplog) -> None:
+    """A dead peer ends close() through the heartbeats; one that is alive and heartbeating but never closes
+    (stuck, or a script that closes on some ranks only) would make it wait for the scheduler's SHUTDOWN
+    forever."""
+    with ps_job(num_workers=2, num_servers=1) as job:
+        job.start_worker(
+            1, "import time; from tagps.ps import PSClient; c = PSClient.from_env(); time.sleep(120)"
+        )
+        client = PSClient(job.client_config(0, PS_REGISTER_TIMEOUT="3"))
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="tagps.ps.client"):
+            closer = threading.Thread(target=client.close, daemon=True)
+            closer.start()
+            closer.join(timeout=30)
+        assert not closer.is_alive(), "close() still waits for worker 1 after 30 s"
+        assert 3.0 <= time.monotonic() - start < 3.0 + 10.0
+        assert "not every worker closed within 3 s (PS_REGISTER_TIMEOUT)" in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("victim", "named"), [("server", "server 0"), ("scheduler", "the scheduler")])
+def test_close_with_a_dead_server_or_scheduler_ends_within_the_heartbeat_timeout(
+    ps_job, caplog, victim: str, named: str
+) -> None:
+    """Worker 1 never closes, so only the failure of the killed node can end worker 0's wait for SHUTDOWN."""
+    with ps_job(num_workers=2, num_servers=1, env={"PS_HEARTBEAT_TIMEOUT": "2"}) as job:
+        job.start_worker(
+            1, "import time; from tagps.ps import PSClient; c = PSClient.from_env(); time.sleep(120)"
+        )
+        client = PSClient(job.client_config(0))
+        proc = job.servers[0] if victim == "server" else job.scheduler
+        assert proc is not None
+        os.killpg(proc.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="tagps.ps.client"):
+            client.close()
+        # The scheduler names a silent server after the timeout, the client a silent scheduler.
+        assert time.monotonic() - start < 2.0 + 5.0
+        assert "close: close failed:" in caplog.text and named in caplog.text, caplog.text
