@@ -155,6 +155,11 @@ def init(comm: object = None, process_sets: list[ProcessSet] | None = None) -> N
     ops.init()
     for ps in process_sets or []:
         add_process_set(ps)
+    # Horovod's variables: rank 0 records from init to shutdown ("DYNAMIC": only start_timeline records).
+    timeline = os.environ.get("HOROVOD_TIMELINE", "")
+    if timeline and timeline != "DYNAMIC" and rank() == 0:
+        marks = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0")
+        start_timeline(timeline, mark_cycles=marks)
 
 
 def shutdown() -> None:

@@ -825,6 +825,31 @@ def test_timeline_records_every_collective_and_gradient(world_of_one: None, tmp_
 
 
 @pytest.mark.usefixtures("no_job_layout")
+def test_horovod_timeline_variable_records_from_init_to_shutdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "timeline.json"
+    monkeypatch.setenv("HOROVOD_TIMELINE", str(path))
+    monkeypatch.setenv("HOROVOD_TIMELINE_MARK_CYCLES", "1")
+    hvd.init()
+    try:
+        model = nn.Linear(2, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        hvd.allreduce(torch.ones(2), name="loss")
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    finally:
+        hvd.shutdown()
+    names = {e["name"] for e in json.loads(path.read_text())}
+    assert {"ALLREDUCE", "CYCLE_START"} <= names
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")  # only start_timeline records then
+    path.unlink()
+    hvd.init()
+    hvd.shutdown()
+    assert not path.exists()
+
+
+@pytest.mark.usefixtures("no_job_layout")
 def test_init_refuses_a_copy_of_the_global_set() -> None:
     try:
         with pytest.raises(ValueError, match="duplicate process set"):
