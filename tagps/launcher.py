@@ -531,13 +531,16 @@ def _job_shm_dir(base: str) -> Iterator[str]:
     owner; remove it, whatever is left in it, once every child is reaped (a process killed between creating
     an arena and unlinking it, or stopped with SIGTERM, cannot remove its own). First remove the directories
     of earlier bpslaunch processes that are gone (see :func:`_sweep_stale_job_dirs`)."""
-    _sweep_stale_job_dirs(base)
+    started = _start_time(os.getpid())
+    if started is not None:  # without /proc no owner can be told alive: record and sweep nothing
+        _sweep_stale_job_dirs(base)
     try:
         path = tempfile.mkdtemp(prefix=_JOB_DIR_PREFIX, dir=base)
     except OSError as exc:
         raise ValueError(f"TAGPS_SHM_DIR={base!r}: cannot make the job's arena directory: {exc}") from None
     try:
-        write_text_atomic(Path(path) / _OWNER, f"{os.getpid()} {_start_time(os.getpid())}")
+        if started is not None:
+            write_text_atomic(Path(path) / _OWNER, f"{os.getpid()} {started}")
         yield path
     finally:
         # A stop signal now must not cut the removal short (the supervisor, if any, has stopped already).
