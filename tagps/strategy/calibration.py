@@ -300,6 +300,7 @@ class Calibration:
             self.device_types(topology),
             seed=seed,
             host_cpu=self.host_cpu(),
+            cpu_core_flops=self.core_flops,
         )
 
     def evaluate(self, sim: Simulator, plan: Any) -> float:

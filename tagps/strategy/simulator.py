@@ -683,6 +683,10 @@ class _TaskGraph:
                     t = add(seconds, (g,), deps, ("ps-cpu", i, g))
                     if g in per:
                         sync_done[g].append(t)
+            if ps_bytes and host:  # every rank launches and completes each call (a fused run is one)
+                calls = 1 if fusion else sum(1 for name in names if gradients[name].sync == "ps")
+                for g, seconds in sim._call_cpu(members, calls):
+                    sync_done[g].append(add(seconds, (g,), deps, ("ps-cpu", i, g)))
             if sfb:
                 ring = sim._ring(members)
                 for name in sfb:
@@ -797,8 +801,13 @@ class Simulator:
         seed: METIS seed for model-parallel splits.
         profiles: measured op profiles keyed by device-type name; default: the profile of ``graph.name``
             for each device type that :func:`~tagps.strategy.profiles.find_profile` finds. ``{}`` keeps the
-            roofline everywhere. A profile applies to device groups with its peak FLOP/s.
+            roofline everywhere. A profile applies to device groups with its peak FLOP/s, and a ``CPU``
+            profile also to a quota'd share of the core it was recorded on (see ``cpu_core_flops``).
         host_cpu: the CPU that PS communication takes from CPU machines (default: not costed).
+        cpu_core_flops: FLOP/s of one full core of the host the ``CPU`` profiles were recorded on (the
+            calibration's ``core_flops``). A ``CPU`` device group of peak ``p`` below it is a share of that
+            core under a quota, which runs every op ``cpu_core_flops / p`` times slower, dispatch included;
+            ``None``: such groups keep the roofline.
 
     Attributes (read-only, for the search): ``graph``, ``grouping``, ``topology``; ``groups`` (per op
     group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
@@ -816,6 +825,7 @@ class Simulator:
         seed: int = 0,
         profiles: dict[str, Profile] | None = None,
         host_cpu: HostCpu | None = None,
+        cpu_core_flops: float | None = None,
     ) -> None:
         self.graph, self.grouping, self.topology, self.seed = graph, grouping, topology, seed
         overrides = device_types or {}
@@ -887,9 +897,9 @@ class Simulator:
         self._ps_cache: dict[
             tuple[tuple[tuple[int, int], ...], int], tuple[float, tuple[int, ...], bool]
         ] = {}
-        self._compute_tables(profiles)
+        self._compute_tables(profiles, cpu_core_flops)
 
-    def _compute_tables(self, profiles: dict[str, Profile] | None) -> None:
+    def _compute_tables(self, profiles: dict[str, Profile] | None, cpu_core_flops: float | None) -> None:
         """Build the compute tables: per-op profile fits per device type, and their sums per op group.
 
         A device type's fits are ``(a_fwd, c_fwd, a_bwd, c_bwd)`` per op where a profile applies (else
@@ -908,8 +918,12 @@ class Simulator:
             else:
                 profile = profiles.get(dtype.name)
             fits = profile.coefficients(graph) if profile is not None else None  # a mismatch raises
-            if profile is not None and profile.peak_flops != dtype.peak_flops:
-                fits = None  # another peak (a CPU under a cgroup quota, a measured cluster): another device
+            if fits is not None and profile is not None and profile.peak_flops != dtype.peak_flops:
+                if dtype.name == "CPU" and cpu_core_flops and dtype.peak_flops <= cpu_core_flops:
+                    slow = cpu_core_flops / dtype.peak_flops  # a quota'd share of the profiled core
+                    fits = [(af * slow, cf * slow, ab * slow, cb * slow) for af, cf, ab, cb in fits]
+                else:
+                    fits = None  # another peak (a measured or another device): the roofline
             self._op_fits[dtype] = fits
             sums[dtype] = None if fits is None else [
                 (
@@ -1040,6 +1054,15 @@ class Simulator:
             res = (n + server,) if remote else tuple(2 * n + w for w in members)
             hit = self._ps_cache[key] = (coef, res, bool(remote))
         return hit
+
+    def _call_cpu(self, members: dict[int, int], calls: int) -> list[tuple[int, float]]:
+        """``(device group, seconds)`` of its ranks launching and completing ``calls`` sync calls
+        (``HostCpu.collective_call_s`` each, per rank) on every costed member machine, at its cores."""
+        host, cores = self.host_cpu, self._cpu_cores
+        assert host is not None  # internal: only called with host_cpu set
+        if not host.collective_call_s:
+            return []
+        return [(g, m * calls * host.collective_call_s / cores[g]) for g, m in members.items() if cores[g]]
 
     def _ps_cpu(
         self, members: dict[int, int], server: int, nbytes: float, partitions: int

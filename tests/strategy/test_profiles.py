@@ -125,6 +125,23 @@ def test_a_device_with_another_peak_keeps_the_roofline(mlp):
     assert sim.group_time(0, 1, 4.0) == roof.group_time(0, 1, 4.0)
 
 
+def test_a_quotad_share_of_the_profiled_core_runs_the_profile_slower(mlp):
+    # Under a cgroup quota of a quarter of the 160 GFLOP/s core the profile was recorded on, every op (its
+    # dispatch included) takes four times as long; a profile does not apply to a CPU faster than the core.
+    quota = DeviceGroup("slow", "CPU", 1, 10.0, peak_flops=40e9)
+    grouping, topo = one_group(mlp, CPU, quota)
+    profile = {"CPU": synthetic(mlp)}
+    sim = Simulator(mlp, grouping, topo, profiles=profile, cpu_core_flops=160e9)
+    assert sim.compute_sources == {"CPU": "profile"}
+    fwd, bwd = sim.group_time(0, 0, 4.0)
+    assert sim.group_time(0, 1, 4.0) == pytest.approx((4 * fwd, 4 * bwd))
+    faster = DeviceGroup("fast", "CPU", 1, 10.0, peak_flops=320e9)
+    grouping, topo = one_group(mlp, CPU, faster)
+    assert Simulator(mlp, grouping, topo, profiles=profile, cpu_core_flops=160e9).compute_sources == {
+        "CPU": "profile + roofline"
+    }
+
+
 def test_a_mismatched_profile_is_an_error_naming_the_op(mlp):
     grouping, topo = one_group(mlp, CPU)
     good = synthetic(mlp)

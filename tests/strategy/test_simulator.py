@@ -429,7 +429,11 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
     before = cal.evaluate(cal.simulator(base.graph, base.grouping, base.topology), plan)
     after = measured.evaluate(measured.simulator(base.graph, base.grouping, base.topology), plan)
     plain = Simulator(
-        base.graph, base.grouping, cal.apply(base.topology), cal.device_types(base.topology)
+        base.graph,
+        base.grouping,
+        cal.apply(base.topology),
+        cal.device_types(base.topology),
+        cpu_core_flops=cal.core_flops,
     ).evaluate(dataclasses.replace(plan, topology=cal.apply(base.topology)))
     assert before == plain.iteration_time
     assert after > before
