@@ -493,6 +493,19 @@ def test_a_collective_call_costs_once_per_call_whatever_the_ring_size():
             assert t.end - t.start == pytest.approx(plain[t.name] + tensors * 2e-3)
 
 
+def test_a_ps_call_takes_its_cpu_from_every_member_machine_once_per_tensor_or_fused_run():
+    base = sim_for("vgg-mini", cpu_cluster(0.5))
+    host = HostCpu(160e9, collective_call_s=1e-3)
+    called = Simulator(base.graph, base.grouping, base.topology, host_cpu=host)
+    for fusion, calls in ((0, len(base.graph.params)), (64 << 20, None)):
+        plan = dataclasses.replace(BASELINES["byteps-like"](base, 16), comm=CommSettings(True, fusion))
+        tasks = [t for t in called.evaluate(plan, trace=True).tasks if t.category == "ps-cpu"]
+        busy = sum(t.end - t.start for t in tasks if t.resource == "a/compute")
+        # 1 ms per call on one rank, at half a core: per tensor unfused, once per op group fused.
+        syncing = sum(1 for g in base.groups if g.param_names)
+        assert busy == pytest.approx(2e-3 * (calls if calls is not None else syncing))
+
+
 def test_an_all_reduce_takes_the_cpu_of_its_bytes_from_the_members_compute():
     base = sim_for("vgg-mini", cpu_cluster(0.5))
     plan = dataclasses.replace(BASELINES["dp-nccl"](base, 16), comm=CommSettings(overlap=True))
