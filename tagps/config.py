@@ -340,6 +340,8 @@ class PSConfig:
         local_size: ``BYTEPS_LOCAL_SIZE``, processes per worker machine (default 1).
         partition_bytes: ``BYTEPS_PARTITION_BYTES``, tensors are cut into chunks of at most this size.
         engine_threads: ``BYTEPS_SERVER_ENGINE_THREAD``, summation threads per server (default 4).
+        server_io_threads: ``TAGPS_SERVER_IO_THREADS``, ZeroMQ I/O threads of a server's data socket
+            (``None``: one per worker, at most one per usable core; see :meth:`server_io_thread_count`).
         enable_async: ``BYTEPS_ENABLE_ASYNC``, asynchronous updates instead of synchronous rounds.
         max_staleness: ``TAGPS_MAX_STALENESS``, in async mode the most rounds a pull may run ahead of the
             slowest worker's pushes (``None``: unbounded).
@@ -373,6 +375,7 @@ class PSConfig:
     local_size: int = 1
     partition_bytes: int = 4096000
     engine_threads: int = 4
+    server_io_threads: int | None = None
     enable_async: bool = False
     max_staleness: int | None = None
     key_hash_fn: str = "djb2"
@@ -387,6 +390,15 @@ class PSConfig:
     register_timeout: float = 120.0
     secret: str | None = field(default=None, repr=False)
     engine: str = "python"
+
+    def server_io_thread_count(self) -> int:
+        """Return the ZeroMQ I/O threads of a server's data socket: ``server_io_threads`` when set, else one
+        per worker, so that each worker's connection is received and answered on its own thread, at most one
+        per usable core (docs/environment.md has the measurement)."""
+        if self.server_io_threads is not None:
+            return self.server_io_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(self.num_workers, cores))
 
 
 def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> PSConfig:
@@ -432,6 +444,7 @@ def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> P
         local_size=local_size,
         partition_bytes=_read(env, "BYTEPS_PARTITION_BYTES", _int(1), 4096000),
         engine_threads=_read(env, "BYTEPS_SERVER_ENGINE_THREAD", _int(1), 4),
+        server_io_threads=_read(env, "TAGPS_SERVER_IO_THREADS", _int(1), None),
         enable_async=_read(env, "BYTEPS_ENABLE_ASYNC", _bool, False),
         max_staleness=_read(env, "TAGPS_MAX_STALENESS", _int(0), None),
         key_hash_fn=_read(env, "BYTEPS_KEY_HASH_FN", _choice("djb2", "sdbm", "naive", "balanced"), "djb2"),

@@ -169,6 +169,12 @@ struct alignas(64) SumCounters {
   }
 };
 
+// `threads` once checked: the context is built before the constructor's body runs its checks.
+int checked_io_threads(int threads) {
+  TAGPS_ENFORCE_GE(threads, 1, "TAGPS_SERVER_IO_THREADS");
+  return threads;
+}
+
 void free_shared_buffer(void* /*data*/, void* hint) { delete static_cast<SharedBuffer*>(hint); }
 
 // A message whose payload is `buffer`'s bytes, sent without a copy; the message keeps the buffer alive.
@@ -289,7 +295,8 @@ class Server::Impl {
   std::atomic<uint64_t> received_{0};
 };
 
-Server::Impl::Impl(ServerOptions options) : opt_(std::move(options)), ctx_(1) {
+Server::Impl::Impl(ServerOptions options)
+    : opt_(std::move(options)), ctx_(checked_io_threads(opt_.io_threads)) {
   TAGPS_ENFORCE_GE(opt_.engine_threads, 1, "BYTEPS_SERVER_ENGINE_THREAD");
   TAGPS_ENFORCE_GE(opt_.num_workers, 1u, "DMLC_NUM_WORKER");
   TAGPS_ENFORCE_GE(opt_.checkpoint_every, 0, "checkpoint_every");

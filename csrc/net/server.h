@@ -41,6 +41,7 @@ struct ServerOptions {
   uint32_t num_workers = 1;
   uint64_t partition_bytes = 4096000;  // largest key (and ZMQ_MAXMSGSIZE, at least 64 KiB)
   int engine_threads = 4;
+  int io_threads = 1;  // ZeroMQ I/O threads of the data socket (TAGPS_SERVER_IO_THREADS)
   bool enable_async = false;
   int64_t max_staleness = -1;    // async mode; < 0: unbounded
   int64_t checkpoint_every = 0;  // sync mode; 0: no periodic checkpoints

@@ -100,7 +100,7 @@ without the GIL. tagps.ps.server.SummationServer drives it (see csrc/net/server.
                        bool enable_async, std::optional<int64_t> max_staleness,
                        std::optional<int64_t> checkpoint_every, std::optional<py::dict> optimizer,
                        std::optional<std::tuple<py::bytes, py::bytes, py::bytes, py::bytes>> curve_keys,
-                       int log_level) {
+                       int log_level, int io_threads) {
              net::ServerOptions o;
              o.host = host;
              o.num_workers = num_workers;
@@ -115,11 +115,13 @@ without the GIL. tagps.ps.server.SummationServer drives it (see csrc/net/server.
                o.curve = net::CurveKeys::from_keys(sp, ss, cp, cs);
              }
              o.log_level = log_level;
+             o.io_threads = io_threads;
              return std::make_unique<net::Server>(std::move(o));
            }),
            py::arg("host"), py::arg("num_workers"), py::arg("partition_bytes"), py::arg("engine_threads"),
            py::arg("enable_async"), py::arg("max_staleness") = py::none(), py::arg("checkpoint_every") = py::none(),
-           py::arg("optimizer") = py::none(), py::arg("curve_keys") = py::none(), py::arg("log_level") = 30)
+           py::arg("optimizer") = py::none(), py::arg("curve_keys") = py::none(), py::arg("log_level") = 30,
+           py::arg("io_threads") = 1)
       .def_property_readonly("port", &net::Server::port, R"pbdoc(The bound TCP port.)pbdoc")
       .def(
           "restore_key",

@@ -190,7 +190,8 @@ class SummationServer:
         self._restored_rank: int | None = None
         requested_rank = self._restore(Path(restore)) if restore is not None else None
 
-        self._context = zmq.Context()
+        # The native engine has its own context; this one also carries the Python engine's data socket.
+        self._context = zmq.Context(io_threads=config.server_io_thread_count())
         self._security = Security(self._context, config.secret)
         host = resolve_host(config)
         self.engine = config.engine
@@ -334,6 +335,7 @@ class SummationServer:
             num_workers=config.num_workers,
             partition_bytes=config.partition_bytes,
             engine_threads=config.engine_threads,
+            io_threads=config.server_io_thread_count(),
             enable_async=config.enable_async,
             max_staleness=config.max_staleness,
             checkpoint_every=self.checkpoint_every,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -112,6 +114,7 @@ def test_ps_config_defaults() -> None:
         ({"BYTEPS_LOCAL_RANK": "1", "BYTEPS_LOCAL_SIZE": "1"}, "BYTEPS_LOCAL_RANK"),
         ({"BYTEPS_PARTITION_BYTES": "0"}, "BYTEPS_PARTITION_BYTES"),
         ({"BYTEPS_SERVER_ENGINE_THREAD": "-1"}, "BYTEPS_SERVER_ENGINE_THREAD"),
+        ({"TAGPS_SERVER_IO_THREADS": "0"}, "TAGPS_SERVER_IO_THREADS"),
         ({"BYTEPS_ENABLE_ASYNC": "maybe"}, "BYTEPS_ENABLE_ASYNC"),
         ({"BYTEPS_KEY_HASH_FN": "md5"}, "BYTEPS_KEY_HASH_FN"),
         ({"BYTEPS_LOG_LEVEL": "LOUD"}, "BYTEPS_LOG_LEVEL"),
@@ -129,6 +132,15 @@ def test_ps_config_errors_name_the_variable(override: dict[str, str | None], var
     env = {k: v for k, v in env.items() if v is not None}
     with pytest.raises(ConfigError, match=variable):
         ps_config(env)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 64])
+def test_server_io_threads_default_to_one_per_worker_within_the_cores(workers: int) -> None:
+    env = {**BASE, "DMLC_NUM_WORKER": str(workers), "DMLC_WORKER_ID": "0"}
+    config = ps_config(env)
+    assert config.server_io_threads is None
+    assert config.server_io_thread_count() == min(workers, len(os.sched_getaffinity(0)))
+    assert ps_config({**env, "TAGPS_SERVER_IO_THREADS": "3"}).server_io_thread_count() == 3
 
 
 def test_server_optimizer_config() -> None:
