@@ -27,6 +27,7 @@ of each unfinished round, so their ``wait()`` raises at once instead of after th
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -104,6 +105,7 @@ class _RootRound:
     shape: tuple[str, int] | None = None
     priority: int = 0
     cross: Waitable | None = None
+    crossed: concurrent.futures.Future[None] | None = None  # a waiter thread's wait for ``cross``
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -166,6 +168,7 @@ class LocalReducer:
             [self._index[r] for r in sorted(g, key=lambda r: r != root_rank)] for g in ordered if g
         ]
         self._cross = cross
+        self._waiters: concurrent.futures.ThreadPoolExecutor | None = None  # made by the first cross round
         self._timeout = timeout
         self._ctx = zmq.Context.instance()
         endpoint = None
@@ -240,6 +243,8 @@ class LocalReducer:
         self._tasks.put(None)
         self._wake()
         self._thread.join(timeout=10)
+        if self._waiters is not None:
+            self._waiters.shutdown(wait=False, cancel_futures=True)
         if self._root:
             for arena in self._arenas.values():
                 arena.unlink()
@@ -252,14 +257,17 @@ class LocalReducer:
         with self._wake_lock:
             self._wake_push.send(b"")
 
+    def _crossed(self, _: concurrent.futures.Future[None]) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # a wait that ends after close(): nothing to wake
+            self._wake()
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)
         try:
             while True:
-                busy = any(r.cross is not None for r in self._rounds.values())
-                events = dict(poller.poll(1 if busy else 1000))
+                events = dict(poller.poll(1000))
                 if self._wake_pull in events:
                     while self._wake_pull.poll(0):
                         self._wake_pull.recv()
@@ -393,11 +401,17 @@ class LocalReducer:
             self._finish(name)
         else:
             rnd.cross = self._cross(name, self._arenas[name].result, rnd.priority)
+            # A waiter thread blocks on the push and pull (the GIL released) and wakes the service thread
+            # when it ends: polling for it every millisecond took a quota'd machine's CPU from training.
+            if self._waiters is None:
+                self._waiters = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="tagps-cross")
+            rnd.crossed = self._waiters.submit(rnd.cross.wait)
+            rnd.crossed.add_done_callback(self._crossed)
 
     def _check_cross(self) -> None:
         for name, rnd in list(self._rounds.items()):
-            if rnd.cross is not None and rnd.cross.is_completed():
-                rnd.cross.wait()
+            if rnd.crossed is not None and rnd.crossed.done():
+                rnd.crossed.result()  # the push and pull's error, if any, fails the service as before
                 self._finish(name)
 
     def _finish(self, name: str) -> None:

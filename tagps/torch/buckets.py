@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from tagps.comm.handle import Handle
 from tagps.strategy.plan import CommSettings
 
-__all__ = ["fused_sum", "fusion_units", "numel", "unit_key"]
+__all__ = ["FlatBucket", "fused_sum", "fusion_units", "numel", "unit_key"]
 
 
 def numel(unit: list[nn.Parameter]) -> int:
@@ -23,35 +24,44 @@ def unit_key(unit: list[nn.Parameter], keys: dict[nn.Parameter, str]) -> str:
     return keys[unit[0]] if len(unit) == 1 else f"{keys[unit[0]]}+{len(unit) - 1}"
 
 
+class FlatBucket(NamedTuple):
+    """A bucket's flat buffer, kept between steps, and one view of it per gradient in the gradient's shape."""
+
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+
+
 def fused_sum(
     unit: list[nn.Parameter],
-    flats: dict[int, torch.Tensor],
+    flats: dict[int, FlatBucket],
     index: int,
     scale: float,
     start: Callable[[torch.Tensor], Handle],
 ) -> Handle:
     """Sum the gradients of bucket ``unit`` as one flat buffer, kept in ``flats[index]`` between steps.
 
-    The gradients (zeros for a parameter without one) are packed times ``scale`` (one pass: the batch
-    weight is applied on the way in), ``start(flat)`` starts the in-place sum, and the returned handle's
-    ``wait()`` unpacks the result into every parameter's ``grad``.
+    The gradients (zeros for a parameter without one) are packed and scaled by ``scale`` (the batch
+    weight), ``start(flat)`` starts the in-place sum, and the returned handle's ``wait()`` unpacks the result
+    into every parameter's ``grad``. Packing and unpacking are one foreach copy each through the kept views:
+    three dispatches per tensor cost a CPU worker under a quota milliseconds per step.
     """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in unit]
-    flat = flats.get(index)
-    if flat is None:
-        flat = flats[index] = torch.empty(numel(unit), dtype=grads[0].dtype, device=grads[0].device)
-    offset = 0
-    for g in grads:
-        torch.mul(g.reshape(-1), scale, out=flat[offset : offset + g.numel()])
-        offset += g.numel()
+    bucket = flats.get(index)
+    if bucket is None:
+        flat = torch.empty(numel(unit), dtype=grads[0].dtype, device=grads[0].device)
+        parts = flat.split([g.numel() for g in grads])
+        bucket = flats[index] = FlatBucket(flat, [v.view_as(g) for v, g in zip(parts, grads, strict=True)])
+    flat, views = bucket
+    torch._foreach_copy_(views, grads)
+    if scale != 1.0:
+        flat.mul_(scale)
     inner = start(flat)
 
     def finish() -> torch.Tensor:
-        offset = 0
+        torch._foreach_copy_(grads, views)
         for p, g in zip(unit, grads, strict=True):
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-            p.grad = g
+            if p.grad is None:
+                p.grad = g
         return flat
 
     return Handle([inner], finish, keep=(flat,))

@@ -41,7 +41,7 @@ from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.config import CommConfig
 from tagps.strategy.plan import Plan, PlanError, load
 from tagps.torch import ops
-from tagps.torch.buckets import fused_sum, fusion_units, numel, unit_key
+from tagps.torch.buckets import FlatBucket, fused_sum, fusion_units, numel, unit_key
 from tagps.torch.layout import Stage, plan_stages
 
 __all__ = ["DistributedModel", "distribute"]
@@ -120,7 +120,7 @@ class _Bucketer:
         self.ready: set[nn.Parameter] = set()
         self.next = 0
         self.handles: list[Handle] = []
-        self.flat: dict[int, torch.Tensor] = {}
+        self.flat: dict[int, FlatBucket] = {}
 
     def on_grad(self, p: nn.Parameter) -> None:
         self.ready.add(p)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tagps import kernels
 from tagps.comm import collectives
 from tagps.comm.handle import Handle, Waitable, failure
 from tagps.config import CommConfig, comm_config
@@ -60,6 +61,10 @@ def init() -> State:
     global _state, _atexit_registered
     if _state is None:
         cfg = comm_config(os.environ)
+        if "TAGPS_NUM_THREADS" not in os.environ:
+            # The summation kernels (local reduction, fusion) keep to torch's thread budget: their OpenMP
+            # team on all cores made a quota'd CPU worker's spare thread spin away the quota training needs.
+            kernels.set_num_threads(torch.get_num_threads())
         # Before the process group: NCCL picks each rank's GPU from the current device.
         collectives.bind_device(cfg)
         collectives.init_process_group(cfg)

@@ -30,7 +30,7 @@ from tagps.comm.handle import Handle
 from tagps.comm.sufficient_factors import SufficientFactors
 from tagps.strategy.plan import CommSettings
 from tagps.torch import join_ops, ops, timeline
-from tagps.torch.buckets import fused_sum, fusion_units, numel, unit_key
+from tagps.torch.buckets import FlatBucket, fused_sum, fusion_units, numel, unit_key
 from tagps.torch.compression import Compressor, NoneCompressor
 from tagps.torch.process_sets import ProcessSet, global_process_set, group_of
 from tagps.torch.strategy import resolve_strategy
@@ -178,7 +178,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         index = {p: i for i, p in enumerate(self._params)}
         self._priority = {p: -index[p] for p in self._params}  # BytePS: first layers first
-        self._flat: dict[int, torch.Tensor] = {}
+        self._flat: dict[int, FlatBucket] = {}
         self._next = 0
         self._ready: set[nn.Parameter] = set()
         self._passes: dict[nn.Parameter, int] = {}

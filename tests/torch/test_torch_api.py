@@ -444,3 +444,25 @@ def test_unnamed_sums_reuse_a_bounded_set_of_keys(world_of_one: None, started_su
         "noname.float32.3.NoneCompressor.0",
         "noname.float32.3.NoneCompressor.1",
     ]
+
+
+@pytest.mark.usefixtures("no_job_layout")
+def test_a_workers_kernels_keep_to_torchs_thread_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tagps import kernels
+
+    before, torch_threads = kernels.num_threads(), torch.get_num_threads()
+    monkeypatch.delenv("TAGPS_NUM_THREADS", raising=False)
+    try:
+        kernels.set_num_threads(0)  # all cores: an idle OpenMP thread would spin on a CPU quota
+        torch.set_num_threads(1)
+        bps.init()
+        bps.shutdown()
+        assert kernels.num_threads() == 1
+        monkeypatch.setenv("TAGPS_NUM_THREADS", "3")  # said explicitly: init leaves it
+        kernels.set_num_threads(3)
+        bps.init()
+        bps.shutdown()
+        assert kernels.num_threads() == 3
+    finally:
+        kernels.set_num_threads(before)
+        torch.set_num_threads(torch_threads)
