@@ -1,6 +1,6 @@
 """Benchmark the strategy creator: predicted speed-ups, search wall time, and the GNN's worth.
 
-Usage: python bench/search.py [--quick] [--out FILE]
+Usage: python bench/search.py [--quick] [--study-only] [--out FILE]
 
 Prints a table and writes JSON (default bench/results/search.json) with ``machine``, ``commands``,
 ``figures``, ``targets``, ``misses`` and ``plans``:
@@ -27,15 +27,18 @@ Prints a table and writes JSON (default bench/results/search.json) with ``machin
   as cap + 1, and a topology where neither prior beats it is left out (``generality_topologies_left_out``).
   Almost any first action beats DP-NCCL, so this study cannot tell priors apart; it is kept for reference;
 - the study that can fail (``tagps.strategy.train.iters_to_near_best``): on 20 held-out random topologies
-  (seeds never drawn in training) and a held-out model (``vgg-mini``: the shipped GNN trained on the six
-  reference models only), the mean MCTS iterations of the tree alone until a plan within 2 % of the best
-  known (a 20x longer uniform search without progressive widening, or any search's best):
-  ``iters_to_near_best_gnn`` and ``iters_to_near_best_uniform``; target GNN <= 1/3 of uniform.
+  (seeds never drawn in training) and a held-out model (``vgg-mini``: never among the shipped GNN's training
+  models, ``tagps.strategy.train.TRAIN_MODELS``), the mean MCTS iterations of the tree alone until a plan
+  within 2 % of the best known (a 20x longer uniform search without progressive widening, or any search's
+  best): ``iters_to_near_best_gnn`` and ``iters_to_near_best_uniform``; target GNN <= 1/3 of uniform.
+  ``--study-only`` runs this study alone and merges its figures into the existing JSON (the other figures,
+  and the commands that produced them, are kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -57,7 +60,14 @@ from tagps.strategy.planner import plan_model
 from tagps.strategy.report import baseline_times
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import PRESETS, random_topology
-from tagps.strategy.train import REFERENCE_MODELS, iters_to_near_best, near_best_means
+from tagps.strategy.train import (
+    HELD_OUT_MODEL,
+    REFERENCE_MODELS,
+    STUDY_SEEDS,
+    TRAIN_MODELS,
+    iters_to_near_best,
+    near_best_means,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "search.json"
 TARGETS = {
@@ -68,8 +78,9 @@ TARGETS = {
     "near_best_gnn_over_uniform_iters": ("<=", 1 / 3),
 }
 STRONG_BASELINES = ("horovod-like", "byteps-like", "dp-nccl-p")  # with the data-parallel search's plan
-HELD_OUT_MODEL = "vgg-mini"  # not among the models the shipped GNN was trained on (REFERENCE_MODELS)
-HELD_OUT_SEEDS = range(3000, 3020)  # training draws its topology seeds from [0, 2^30) at random
+HELD_OUT_SEEDS = range(3000, 3020)  # among the seeds training never draws (STUDY_SEEDS)
+if HELD_OUT_MODEL in TRAIN_MODELS or not set(HELD_OUT_SEEDS) <= set(STUDY_SEEDS):
+    raise RuntimeError("the near-best study must use a model and topology seeds that training never sees")
 
 
 def machine() -> dict[str, object]:
@@ -188,9 +199,61 @@ def compare(gnn: list[int | None], uniform: list[int | None], cap: int) -> tuple
     return g_mean, u_mean, len(gnn) - len(pairs)
 
 
+def near_best_study(prior: GNNPrior, cap: int, groups: int) -> tuple[dict[str, float], list[dict]]:
+    """Run the near-best study; return its figures and the per-topology rows."""
+    start = time.perf_counter()
+    near = iters_to_near_best({"gnn": prior, "uniform": None}, HELD_OUT_MODEL,
+                              [random_topology(s) for s in HELD_OUT_SEEDS], cap, groups)
+    means = near_best_means(near, cap)
+    figures = {
+        "iters_to_near_best_gnn": round(means["gnn"], 4),
+        "iters_to_near_best_uniform": round(means["uniform"], 4),
+        "near_best_topologies": len(near),
+        "near_best_gnn_over_uniform_iters": round(means["gnn"] / means["uniform"], 4),
+        "near_best_cap": cap,
+        "near_best_seconds": round(time.perf_counter() - start, 1),
+    }
+    print(f"  iterations to within 2 % of the best known ({HELD_OUT_MODEL}, {len(near)} held-out topologies, "
+          f"cap {cap}): GNN {means['gnn']:.2f}, uniform {means['uniform']:.2f}")
+    rows = [{"topology": r.topology, "best_known_ms": round(r.best_known_s * 1e3, 4), **r.iters}
+            for r in near]
+    return figures, rows
+
+
+def misses_of(figures: dict[str, float]) -> list[str]:
+    """Print every target's line; return the names of the targets missed."""
+    misses = []
+    for name, (op, target) in TARGETS.items():
+        value = figures[name]
+        ok = value >= target if op == ">=" else value <= target
+        print(f"{name:<36} {value:>10.3f}  target {op} {target:.3g}  {'ok' if ok else 'MISS'}")
+        if not ok:
+            misses.append(name)
+    return misses
+
+
+def study_only(out: Path, prior: GNNPrior, cap: int, groups: int) -> int:
+    """Run the near-best study alone and merge it into ``out`` (which a full run must have written)."""
+    if not out.is_file():
+        print(f"{out} does not exist: --study-only merges into a full run's JSON (run without it first)")
+        return 2
+    result = json.loads(out.read_text())
+    figures, rows = near_best_study(prior, cap, groups)
+    result["figures"].update(figures)
+    result["near_best"] = rows
+    result["misses"] = misses_of(result["figures"])
+    result["commands"] = [*result["commands"], shlex.join([sys.executable, *sys.argv])]
+    result["near_best_machine"] = machine()
+    write_json(out, result, indent=1)
+    print(f"merged into {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller budgets and fewer topologies")
+    parser.add_argument("--study-only", action="store_true",
+                        help="run the near-best study alone and merge it into --out")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -199,6 +262,9 @@ def main() -> int:
     iterations = 200 if args.quick else 1500
     topologies = 20 if args.quick else 100
     cap = 50 if args.quick else 100
+    gen_groups = 24
+    if args.study_only:
+        return study_only(args.out, prior, cap, gen_groups)
     figures: dict[str, float] = {}
     plans: dict[str, dict] = {}
 
@@ -218,7 +284,6 @@ def main() -> int:
     figures["plan_cpu_seconds_max"] = max(v for k, v in figures.items() if k.startswith("plan_cpu_seconds_"))
 
     seeds = range(1000, 1000 + topologies)
-    gen_groups = 24
     models = list(REFERENCE_MODELS)
     gnn, uniform, skipped = compare(iterations_to_beat(prior, models, seeds, cap, gen_groups),
                                     iterations_to_beat(None, models, seeds, cap, gen_groups), cap)
@@ -231,23 +296,9 @@ def main() -> int:
           f"{skipped} left out where neither prior beat DP-NCCL, e.g. nothing fits in memory):")
     print(f"  iterations to beat DP-NCCL: GNN {gnn:.2f}, uniform {uniform:.2f}")
 
-    near = iters_to_near_best({"gnn": prior, "uniform": None}, HELD_OUT_MODEL,
-                              [random_topology(s) for s in HELD_OUT_SEEDS], cap, gen_groups)
-    means = near_best_means(near, cap)
-    figures["iters_to_near_best_gnn"] = round(means["gnn"], 4)
-    figures["iters_to_near_best_uniform"] = round(means["uniform"], 4)
-    figures["near_best_topologies"] = len(near)
-    figures["near_best_gnn_over_uniform_iters"] = round(means["gnn"] / means["uniform"], 4)
-    print(f"  iterations to within 2 % of the best known ({HELD_OUT_MODEL}, {len(near)} held-out topologies, "
-          f"cap {cap}): GNN {means['gnn']:.2f}, uniform {means['uniform']:.2f}")
-
-    misses = []
-    for name, (op, target) in TARGETS.items():
-        value = figures[name]
-        ok = value >= target if op == ">=" else value <= target
-        print(f"{name:<36} {value:>10.3f}  target {op} {target:.3g}  {'ok' if ok else 'MISS'}")
-        if not ok:
-            misses.append(name)
+    study, near = near_best_study(prior, cap, gen_groups)
+    figures.update(study)
+    misses = misses_of(figures)
     result = {
         "machine": machine(),
         "load_average_1min": {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)},
@@ -255,8 +306,7 @@ def main() -> int:
         "figures": figures,
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
         "misses": misses,
-        "near_best": [{"topology": r.topology, "best_known_ms": round(r.best_known_s * 1e3, 4), **r.iters}
-                      for r in near],
+        "near_best": near,
         "plans": plans,
     }
     write_json(args.out, result, indent=1)

@@ -8,11 +8,13 @@ node type, with a residual connection:
     h_v^{(l+1)} = h_v^{(l)} + \\mathrm{ELU}\\Big(\\sum_{r} \\mathrm{GAT}_r\\big(h^{(l)}, e_r\\big)_v\\Big)
 
 An action ``(S, o)`` for the op group ``g`` being decided is scored from ``g``'s embedding, the mean and the
-max of the embeddings of the device groups in ``S``, the share of device groups it uses and ``o``:
+max of the embeddings of the device groups in ``S``, the share of device groups it uses, ``o`` and the
+action's roofline estimates ``e(S, o)`` (:func:`~tagps.strategy.features.action_features`):
 
 .. math::
     z(S, o) = \\mathrm{MLP}\\big([h_g,\\ \\tfrac{1}{|S|}\\textstyle\\sum_{d \\in S} h_d,\\
-        \\max_{d \\in S} h_d,\\ |S|/D,\\ \\mathrm{onehot}(o)]\\big), \\qquad P = \\mathrm{softmax}(z)
+        \\max_{d \\in S} h_d,\\ |S|/D,\\ \\mathrm{onehot}(o),\\ e(S, o)]\\big), \\qquad
+        P = \\mathrm{softmax}(z)
 
 Nothing depends on the number of op groups or device groups, so the same weights score actions on any
 model and any topology. Weights ship in ``tagps/strategy/weights/`` (see ``python -m tagps.strategy.train``).
@@ -31,12 +33,14 @@ import torch
 from torch import nn
 
 from tagps.strategy.features import (
+    ACTION_FEATURES,
     DEV_FEATURES,
     EDGE_FEATURES,
     EDGE_TYPES,
     OP_FEATURES,
     ActionEncoding,
     StateGraph,
+    action_features,
     encode_actions,
     state_graph,
 )
@@ -98,7 +102,7 @@ class TagGNN(nn.Module):
             )
             for _ in range(config.layers)
         )
-        width = 3 * h + 1 + OPTION_SLOTS
+        width = 3 * h + 1 + OPTION_SLOTS + ACTION_FEATURES
         self.head = nn.Sequential(nn.Linear(width, h), nn.ELU(), nn.Linear(h, h), nn.ELU(), nn.Linear(h, 1))
 
     def embeddings(self, graph: StateGraph) -> dict[str, torch.Tensor]:
@@ -111,8 +115,11 @@ class TagGNN(nn.Module):
             x = {k: x[k] + nn.functional.elu(out[k]) if k in out else x[k] for k in x}
         return x
 
-    def forward(self, graph: StateGraph, actions: ActionEncoding, legal: torch.Tensor) -> torch.Tensor:
-        """Logits of the ``legal`` actions (indices into ``actions``) for the group ``graph.current``."""
+    def forward(
+        self, graph: StateGraph, actions: ActionEncoding, estimates: torch.Tensor, legal: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of the ``legal`` actions (indices into ``actions``) for the group ``graph.current``, with
+        ``estimates`` the ``[A, ACTION_FEATURES]`` features of every action."""
         x = self.embeddings(graph)
         mask = actions.mask[legal]  # [A, D]
         dev = x["dev"]
@@ -121,7 +128,8 @@ class TagGNN(nn.Module):
         big = torch.where(member, dev.unsqueeze(0), torch.full_like(dev, -1e4).unsqueeze(0)).amax(dim=1)
         group = x["op"][graph.current].expand(len(legal), -1)
         option = nn.functional.one_hot(actions.option[legal], OPTION_SLOTS).float()
-        features = torch.cat([group, mean, big, actions.size[legal].unsqueeze(1), option], dim=1)
+        size = actions.size[legal].unsqueeze(1)
+        features = torch.cat([group, mean, big, size, option, estimates[legal]], dim=1)
         return self.head(features).squeeze(1)
 
 
@@ -140,7 +148,8 @@ class GNNPrior:
     ) -> torch.Tensor:
         """Differentiable logits of the legal actions (used by training)."""
         graph = state_graph(ctx, decided, result)
-        return self.net(graph, encode_actions(ctx), torch.as_tensor(legal, dtype=torch.long))
+        estimates = torch.from_numpy(action_features(ctx, decided))
+        return self.net(graph, encode_actions(ctx), estimates, torch.as_tensor(legal, dtype=torch.long))
 
     def priors(
         self, ctx: SearchContext, decided: Sequence[Action], result: SimResult | None, legal: np.ndarray

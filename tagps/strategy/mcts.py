@@ -18,7 +18,8 @@ Selection is PUCT:
 .. math::
     a^* = \\arg\\max_a\\; Q(s, a) + c\\,P(s, a)\\,\\frac{\\sqrt{N(s)}}{1 + n(s, a)}
 
-with ``Q`` the mean reward of the edge (the node's own reward before its first visit), ``P`` the prior,
+with ``Q`` the mean reward of the edge (the node's own reward before its first visit), scaled to [0, 1]
+by the least and greatest reward seen so far (:attr:`SearchConfig.normalize_q`), ``P`` the prior,
 ``N`` the visits of the node and ``n`` those of the edge, taken over the node's admitted actions only
 (progressive widening): the
 
@@ -78,10 +79,9 @@ __all__ = [
 
 SEARCH_OPTIONS = ("allreduce", "ps", "duplicate", "mp")
 REPLICATED = ("allreduce", "ps")  # the options a data-parallel plan may use
-# Option slot in the GNN's encoding. The shipped weights know three slots (allreduce, ps, mp); duplicate
-# shares mp's: in both every device of the group runs the full batch and no gradient is synchronised.
-OPTION_SLOT = {"allreduce": 0, "ps": 1, "mp": 2, "duplicate": 2}
-OPTION_SLOTS = 3
+# Option slot in the GNN's encoding: one per option.
+OPTION_SLOT = {"allreduce": 0, "ps": 1, "mp": 2, "duplicate": 3}
+OPTION_SLOTS = 4
 MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
 ROOT_FPU = 1e6  # value of an admitted, untried root action: above any reward, so it is tried next
 
@@ -131,29 +131,33 @@ class SearchConfig:
         prior_mix: weight of the uniform prior mixed into a model's prior (default 0.25).
         widen_c: progressive widening: a node visited ``N`` times chooses among its
             ``ceil(widen_c * (N + 1) ** widen_alpha)`` actions of highest prior and those already taken
-            (default 2.0; None: among all its actions).
+            (default 1.0: one at the first visit, 10 after 99, 39 after 1500; None: among all its actions).
         widen_alpha: growth exponent of the widening (default 0.5).
         seed: seed of the tie-breaking generator and of the order of equal priors.
         data_parallel: only plans the first runtime executes: every group on the root's device groups,
             replicated (allreduce/ps); the plan's kind is ``data-parallel``.
         dp_first: for the general search, run the data-parallel search first (the same iteration
             budget; half of a time budget), seed the tree with its best plan and return the faster of the
-            two; False searches with the general tree alone (self-play, studies of the tree).
+            two; False searches with the general tree alone (training labels, studies of the tree).
         sfb: run the SFB solver on the best plan.
         optimizer: the training optimizer the plans assume (``sgd``, ``momentum``, ``adam``).
+        normalize_q: PUCT compares ``(Q - min) / (max - min)`` over the rewards the search has seen (as
+            MuZero) instead of ``Q``: rewards run from -1 to tens on small models, where raw ``Q`` drowns
+            the prior term and ``c_puct`` would need retuning per model and topology (default True).
     """
 
     iterations: int | None = 1000
     seconds: float | None = None
     c_puct: float = 1.5
     prior_mix: float = 0.25
-    widen_c: float | None = 2.0
+    widen_c: float | None = 1.0
     widen_alpha: float = 0.5
     seed: int = 0
     data_parallel: bool = False
     dp_first: bool = True
     sfb: bool = True
     optimizer: str = "adam"
+    normalize_q: bool = True
 
     def __post_init__(self) -> None:
         if self.iterations is None and self.seconds is None:
@@ -233,12 +237,22 @@ class _Node:
 
 @dataclass(frozen=True)
 class NodeSample:
-    """A searched node for AlphaZero-style training: the state and the visit distribution of its edges."""
+    """A searched node for training the prior: the state, its edges' visits and the best plan below each.
+
+    Args:
+        decided: the actions that lead to the node.
+        result: the simulation of its partial plan (None at the root).
+        legal: its actions (indices into the context's actions).
+        visits: visits per legal action.
+        best_time: per legal action, the fastest feasible iteration time in the subtree below that edge
+            (``inf`` where the edge was not taken or nothing below it fits).
+    """
 
     decided: tuple[Action, ...]
     result: SimResult | None
     legal: np.ndarray
     visits: np.ndarray
+    best_time: np.ndarray
 
 
 @dataclass
@@ -255,8 +269,8 @@ class SearchResult:
         seconds: wall time of the search.
         iters_to_beat_baseline: first iteration whose best plan was faster than the baseline (None: never).
         history: ``(iteration, best time so far)`` whenever the best improved.
-        samples: searched nodes with their visit counts (for training), when requested; of the general
-            tree in a two-phase search.
+        samples: searched nodes with their visits and the best times below them (for training), when
+            requested; of the general tree in a two-phase search.
         context: the search context the samples refer to.
     """
 
@@ -347,6 +361,7 @@ class _Search:
         self.shares: dict[tuple[int, ...], dict[str, int]] = {}  # per set of replicated device groups
         self.best: tuple[float, Plan, SimResult] | None = None
         self.best_decided: tuple[int, ...] = ()  # the tree path of ``best``
+        self.vmin, self.vmax = math.inf, -math.inf  # the rewards seen (to normalise Q)
         base = dp_nccl(sim, batch, config.optimizer)
         base_result = sim.evaluate(base)
         self.baseline = "dp-nccl"
@@ -402,6 +417,11 @@ class _Search:
 
     def evaluate(self, decided: tuple[int, ...]) -> tuple[float, SimResult | None]:
         """Reward and simulation of a node's partial plan; remembers the best feasible plan."""
+        value, result = self._evaluate(decided)
+        self.vmin, self.vmax = min(self.vmin, value), max(self.vmax, value)
+        return value, result
+
+    def _evaluate(self, decided: tuple[int, ...]) -> tuple[float, SimResult | None]:
         try:
             plan = self.plan([self.actions[a] for a in decided])
         except PlanError:  # e.g. a batch too small to give every replicated group a device
@@ -509,6 +529,8 @@ class _Search:
         # before any is refined.
         fpu = ROOT_FPU if not node.decided else node.value
         q = np.divide(node.total, n, out=np.full_like(node.total, fpu), where=n > 0)
+        if self.config.normalize_q and self.vmax > self.vmin:
+            q = np.where(q < ROOT_FPU, (q - self.vmin) / (self.vmax - self.vmin), q)
         score = q + self.config.c_puct * node.prior * math.sqrt(visits + 1) / (1 + n)
         width = self.width(node, visits)
         if width < len(n):
@@ -604,16 +626,21 @@ class _Search:
         predicted = Prediction(t, dict(result.peak_memory), self.baseline, self.baseline_time)
         return replace(plan, predicted=predicted).validate(), t
 
-    def samples(self, root: _Node, min_visits: int = 8) -> list[NodeSample]:
-        """Nodes visited at least ``min_visits`` times with their edge visit counts."""
+    def samples(self, root: _Node) -> list[NodeSample]:
+        """Nodes with at least two tried actions, with their edge visits and the best time below each edge."""
         out: list[NodeSample] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if node.visits.sum() >= min_visits:
+
+        def best_below(node: _Node) -> float:  # post-order: fills out and returns the subtree's best time
+            best = np.full(len(node.legal), math.inf)
+            for action, child in node.children.items():
+                best[int(np.flatnonzero(node.legal == action)[0])] = best_below(child)
+            if int((node.visits > 0).sum()) >= 2:
                 decided = tuple(self.actions[a] for a in node.decided)
-                out.append(NodeSample(decided, node.result, node.legal, node.visits.copy()))
-            stack.extend(node.children.values())
+                out.append(NodeSample(decided, node.result, node.legal, node.visits.copy(), best))
+            own = node.result.iteration_time if node.result is not None and node.result.feasible else math.inf
+            return min(own, float(best.min(initial=math.inf)))
+
+        best_below(root)
         return out
 
 
@@ -637,7 +664,8 @@ def search(
         model: prior over actions (e.g. :class:`tagps.strategy.gnn.GNNPrior`); uniform when None.
         progress: called after every iteration with ``(iteration, best time so far or None)``;
             iterations are numbered on across phases up to ``config.total_iterations``.
-        keep_samples: return the searched nodes' visit distributions (training data).
+        keep_samples: return the searched nodes with their visits and the best time below each edge
+            (training data).
 
     Returns:
         The :class:`SearchResult`; its ``plan`` is None when no feasible plan was found.

@@ -12,7 +12,7 @@ from torch import nn
 
 pytest.importorskip("torch_geometric", reason="the GNN needs torch-geometric")
 
-from tagps.strategy.features import state_graph
+from tagps.strategy.features import ACTION_FEATURES, action_features, state_graph
 from tagps.strategy.gnn import DEFAULT_WEIGHTS, GNNConfig, GNNPrior, TagGNN, load_prior
 from tagps.strategy.graph import Graph, extract_graph
 from tagps.strategy.grouping import group_ops
@@ -90,11 +90,28 @@ def test_feedback_reaches_the_features() -> None:
     s, actions, result, _ = _state(_graph("mlp"), _groups(("a", "V100-32GB", 2), ("b", "1080Ti", 2)), 1)
     g = state_graph(s.ctx, actions, result)
     assert g.x["op"].shape[0] == len(s.sim.groups) and g.x["dev"].shape[0] == 2
-    assert g.x["op"][:, 10].max() > 0  # finish times from the simulator
+    assert g.x["op"][:, 11].max() > 0  # finish times from the simulator
     assert g.x["dev"][:, 4].max() > 0  # utilisation
     assert g.edge_attr[("op", "on", "dev")][:, 3].sum() > 0  # current placement
     with pytest.raises(ValueError, match="every op group is decided"):
         state_graph(s.ctx, [s.actions[0]] * len(s.order), result)
+
+
+def test_action_features_mark_the_no_op_and_the_activations_that_cross() -> None:
+    topo = _groups(("a", "V100-32GB", 2), ("b", "1080Ti", 2))
+    s, _, _, _ = _state(_graph("mlp"), topo)
+    root = action_features(s.ctx, [])
+    assert root.shape == (len(s.actions), ACTION_FEATURES) and np.isfinite(root).all()
+    assert not root[:, 8:].any()  # at the root no action is the current one and nothing crosses
+    assert root[:, 7].min() == 0.0  # the best option estimate, relative to itself
+    first = s.actions[0]  # allreduce on a
+    below = action_features(s.ctx, [first])
+    assert np.flatnonzero(below[:, 8]).tolist() == [0]  # the next group follows the first action
+    # The group being decided feeds or is fed by a group that follows the first action (on a): only
+    # actions on another set of device groups pay for crossing.
+    on_a = [k for k, a in enumerate(s.actions) if a.devices == first.devices]
+    assert not below[on_a, 9].any()
+    assert below[[k for k in range(len(s.actions)) if k not in on_a], 9].min() > 0
 
 
 def test_checkpoint_round_trip_and_errors(prior: GNNPrior, tmp_path: Path) -> None:
@@ -129,7 +146,7 @@ def test_training_step_fits_a_visit_distribution() -> None:
     model = GNNPrior(net)
     s, actions, result, legal = _state(_graph("cnn"), _groups(("a", "V100-32GB", 2), ("b", "1080Ti", 2)))
     target = torch.zeros(len(legal))
-    target[5] = 1.0  # ps on b (duplicate and mp share an encoding slot, so neither can be told apart)
+    target[6] = 1.0  # duplicate on b: its own option slot, so it can be told from mp on b (index 7)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     losses = []
     for _ in range(30):
@@ -139,7 +156,7 @@ def test_training_step_fits_a_visit_distribution() -> None:
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0]
-    assert int(np.argmax(model.priors(s.ctx, actions, result, legal))) == 5
+    assert int(np.argmax(model.priors(s.ctx, actions, result, legal))) == 6
 
 
 def test_shipped_weights_guide_a_search() -> None:
@@ -158,14 +175,14 @@ def test_an_untrained_prior_does_not_pass_the_near_best_study() -> None:
 
     torch.manual_seed(0)
     untrained = GNNPrior(TagGNN(GNNConfig()))
-    # Under progressive widening a uniform search reaches near-best within 40 iterations on 2 of these 6
-    # topologies; 12 topologies and 80 iterations keep the comparison from being decided by a few misses.
+    # Under progressive widening (c_w = 1) a uniform search reaches near-best within 80 iterations on 5 of
+    # these 12 topologies (mean 57 of at most 81): enough that the means compare searches, not misses.
     topologies = [random_topology(seed) for seed in range(3100, 3112)]
     cap = 80
     results = iters_to_near_best(
         {"random": untrained, "uniform": None}, "mlp-mini", topologies, cap, groups=8, long_factor=10
     )
     assert len(results) == len(topologies)
-    assert sum(r.iters["uniform"] is not None for r in results) >= len(results) // 2  # not degenerate
+    assert sum(r.iters["uniform"] is not None for r in results) >= len(results) // 3  # not degenerate
     means = near_best_means(results, cap)
     assert means["random"] > means["uniform"] / 3
