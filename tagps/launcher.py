@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import random
 import selectors
 import shutil
 import signal
@@ -92,20 +93,45 @@ class ProcessSpec:
             raise ValueError(f"process {self.label!r} has an empty command")
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000  # below: well-known and registered services
+
+
+def _ports_outside_ephemeral() -> range | None:
+    """The ports from 10000 up to the kernel's ephemeral range (None: unknown, or too few)."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1000 else None
+
+
+def _bind_free(s: socket.socket, host: str, candidates: range | None) -> None:
+    """Bind ``s`` to a free port among ``candidates`` (random tries), else to one the kernel picks."""
+    for port in random.sample(candidates, min(100, len(candidates))) if candidates else ():
+        with contextlib.suppress(OSError):  # taken: try another
+            s.bind((host, port))
+            return
+    s.bind((host, 0))
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Return ``count`` distinct TCP ports that are free on ``host`` right now.
 
-    All sockets are held open until every port is chosen so the ports differ; another program may still
-    take one before the child binds it, as with any free-port probe.
+    The ports come from below the kernel's ephemeral range when it leaves room: a port the kernel hands
+    out (``bind`` to 0) may be given again, before the child binds it, as the source port of any outgoing
+    connection, as a job's rendezvous store once found (its ping then fails). All sockets are held open
+    until every port is chosen, so the ports differ; another program may still take one meanwhile.
     """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
+    candidates = _ports_outside_ephemeral()
     sockets = []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             sockets.append(s)
+            _bind_free(s, host, candidates)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:

@@ -477,6 +477,19 @@ def test_free_ports_are_distinct() -> None:
     assert len(set(ports)) == 5 and all(0 < p < 65536 for p in ports)
 
 
+def test_free_ports_avoid_the_ephemeral_range_where_it_leaves_room() -> None:
+    # Outgoing connections take their source ports from the ephemeral range, so a probed port from it
+    # may be gone before the child binds it.
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here")
+    if low < 11000:
+        pytest.skip(f"the ephemeral range starts at {low}: no room below it")
+    ports = free_ports(20)
+    assert len(set(ports)) == 20 and all(10000 <= p < low for p in ports)
+
+
 def test_launch_options_need_local() -> None:
     res = _bpslaunch("--servers", "2", "true", env=_clean_env(DMLC_ROLE="worker"))
     assert res.returncode == 2 and "only apply with --local" in res.stderr
