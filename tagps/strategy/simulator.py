@@ -623,6 +623,7 @@ class _TaskGraph:
             per = self.layouts[i]
             members, n = sim._members(per)
             ar_sizes: list[int] = []
+            ps_tensors = 0
             ps_bytes: dict[int, list[float]] = {}  # server device group -> [bytes, tensors, partitions]
             sfb: list[str] = []
             for name in names:
@@ -633,6 +634,7 @@ class _TaskGraph:
                 if sync == "allreduce":
                     ar_sizes.append(params[name])
                 elif sync == "ps":
+                    ps_tensors += 1
                     servers = plan.ps_servers or gp.placement
                     ns = len(servers)
                     size = params[name]
@@ -684,7 +686,7 @@ class _TaskGraph:
                     if g in per:
                         sync_done[g].append(t)
             if ps_bytes and host:  # every rank launches and completes each call (a fused run is one)
-                calls = 1 if fusion else sum(1 for name in names if gradients[name].sync == "ps")
+                calls = 1 if fusion else ps_tensors
                 for g, seconds in sim._call_cpu(members, calls):
                     sync_done[g].append(add(seconds, (g,), deps, ("ps-cpu", i, g)))
             if sfb:
