@@ -11,6 +11,8 @@ the summation servers) and, when that completed, every participant copies it bac
 result has its own row because the root refills its input slot for the next round while the others may
 still be copying the previous result out.) An arena reserves its whole size when it is created, so a full
 ``/dev/shm`` fails that tensor's reduction with :class:`tagps.comm.arena.ArenaFull` instead of a SIGBUS.
+A machine with a single participant skips all of this: its tensor is the local sum, handed to ``cross`` in
+place.
 
 Coordination is a small message protocol over ZeroMQ on loopback, driven by one service thread per
 process; the root counts ``ready`` and ``reduced`` messages per tensor name and answers ``reduce`` and
@@ -47,7 +49,7 @@ import zmq
 
 from tagps.comm.arena import ShmArena
 from tagps.comm.collectives import run_blocking
-from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed
+from tagps.comm.handle import WAIT_SLICE_S, CompletedWork, Waitable, raise_if_failed
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
 
@@ -220,7 +222,7 @@ class LocalReducer:
         """Whether this process takes part in the reduction (on GPUs only switch leaders do)."""
         return self._me is not None
 
-    def submit(self, name: str, tensor: torch.Tensor, priority: int = 0) -> ReductionFuture:
+    def submit(self, name: str, tensor: torch.Tensor, priority: int = 0) -> Waitable:
         """Start summing the contiguous CPU ``tensor`` in place; the same ``name`` on every participant."""
         if self._me is None:
             raise RuntimeError("this local rank does not take part in the shared-memory reduction")
@@ -228,6 +230,10 @@ class LocalReducer:
             raise ValueError(f"{name!r}: the shared-memory reduction needs a contiguous CPU tensor")
         if self._error is not None:
             raise RuntimeError(f"the local reduction service failed earlier: {self._error}")
+        if len(self._participants) == 1 and tensor.numel() > 0:
+            # Alone on this machine the local sum is the tensor itself: push and pull it in place, without
+            # the arena's three copies (in, result row, out) and the service thread's round trip.
+            return self._cross(name, tensor, priority) if self._cross is not None else CompletedWork()
         future = ReductionFuture(name, self._timeout)
         if tensor.numel() == 0:
             future.set()

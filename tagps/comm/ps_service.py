@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import numbers
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tagps.comm import collectives
-from tagps.comm.handle import Waitable
+from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed
 from tagps.comm.local_reduce import LocalReducer
 from tagps.config import CommConfig, server_optimizer_config
 
@@ -40,17 +41,34 @@ _WIRE_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.floa
 
 
 class _ClientWork:
-    """A push-pull handle of :class:`tagps.ps.client.PSClient` as a :class:`Waitable`."""
+    """A push-pull handle of :class:`tagps.ps.client.PSClient` as a :class:`Waitable`.
 
-    def __init__(self, client: Any, handle: Any) -> None:
+    ``wait()`` raises :class:`~tagps.comm.handle.PeerFailed` as soon as a peer is known dead, and a
+    ``RuntimeError`` after ``timeout`` seconds, as the local reduction's futures do.
+    """
+
+    def __init__(self, client: Any, handle: Any, name: str, timeout: float) -> None:
         self._client = client
         self._handle = handle
+        self._name = name
+        self._timeout = timeout
 
     def is_completed(self) -> bool:
         return bool(self._client.poll(self._handle))
 
     def wait(self) -> None:
-        self._client.wait(self._handle)
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                self._client.wait(self._handle, WAIT_SLICE_S)
+                return
+            except TimeoutError:
+                raise_if_failed()
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"push_pull of {self._name!r} did not finish within {self._timeout:.0f} s "
+                        "(TAGPS_DIST_TIMEOUT)"
+                    ) from None
 
 
 class _FutureWork:
@@ -159,7 +177,7 @@ class _Summation:
         handle = self._client.push_pull(
             self._prefix + name, summed.numpy(), average=False, priority=-priority
         )
-        return _ClientWork(self._client, handle)
+        return _ClientWork(self._client, handle, name, self._cfg.dist_timeout_s)
 
     def _cuda_route(self) -> tuple[Any, int, LocalReducer]:
         """Where a CUDA sum goes: (NCCL switch group or ``None``, its leader's rank, the host reducer)."""

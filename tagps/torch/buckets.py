@@ -42,8 +42,10 @@ def fused_sum(
 
     The gradients (zeros for a parameter without one) are packed and scaled by ``scale`` (the batch
     weight), ``start(flat)`` starts the in-place sum, and the returned handle's ``wait()`` unpacks the result
-    into every parameter's ``grad``. Packing and unpacking are one foreach copy each through the kept views:
-    three dispatches per tensor cost a CPU worker under a quota milliseconds per step.
+    into every parameter's ``grad``. Packing and unpacking go through the kept views: one foreach copy each,
+    or one ``mul`` per gradient into its view when packing scales (a copy then a scale of the flat buffer
+    would pass over its memory twice); three dispatches per tensor cost a CPU worker under a quota
+    milliseconds per step.
     """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in unit]
     bucket = flats.get(index)
@@ -52,9 +54,11 @@ def fused_sum(
         parts = flat.split([g.numel() for g in grads])
         bucket = flats[index] = FlatBucket(flat, [v.view_as(g) for v, g in zip(parts, grads, strict=True)])
     flat, views = bucket
-    torch._foreach_copy_(views, grads)
-    if scale != 1.0:
-        flat.mul_(scale)
+    if scale == 1.0:
+        torch._foreach_copy_(views, grads)
+    else:
+        for view, g in zip(views, grads, strict=True):
+            torch.mul(g, scale, out=view)
     inner = start(flat)
 
     def finish() -> torch.Tensor:

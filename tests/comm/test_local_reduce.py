@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import zmq
 
 from tagps.comm.arena import ShmArena
+from tagps.comm.handle import CompletedWork
 from tagps.comm.local_reduce import LocalReducer
 from tagps.launcher import free_ports
 
@@ -174,3 +175,43 @@ def test_a_peer_that_dies_before_the_setup_is_named_within_the_heartbeat_timeout
             proc.kill()
             proc.communicate()
     assert [p.name for p in tmp_path.glob("tagps-*")] == []  # no arena was made
+
+
+class _Doubling:
+    """A ``cross`` that records what it was handed and sums it with an identical remote machine."""
+
+    def __init__(self) -> None:
+        self.handed: list[torch.Tensor] = []
+
+    def __call__(self, name: str, tensor: torch.Tensor, priority: int) -> CompletedWork:
+        self.handed.append(tensor)
+        tensor.mul_(2)
+        return CompletedWork()
+
+
+def _alone(rank: int, init: str, shm_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    # Two machines of one local rank each: every process is the only participant of its machine.
+    cross = _Doubling()
+    reducer = LocalReducer([0], [[0]], 0, rank, cross=cross, timeout=30, shm_dir=shm_dir)
+    alone = LocalReducer([0], [[0]], 0, rank, cross=None, timeout=30, shm_dir=shm_dir)
+    try:
+        for rnd in range(2):
+            x = torch.full((1000,), float(rnd + 1))
+            reducer.submit("x", x, priority=5).wait()
+            assert torch.equal(x, torch.full((1000,), 2.0 * (rnd + 1)))
+            assert cross.handed[-1] is x  # the caller's tensor itself, not an arena row
+            y = torch.full((7,), 3.0)
+            work = alone.submit("y", y)
+            assert work.is_completed() and torch.equal(y, torch.full((7,), 3.0))
+    finally:
+        reducer.close()
+        alone.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_single_participant_hands_its_tensor_to_cross_in_place(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mp.spawn(_alone, args=(str(tmp_path / "init"), str(shm)), nprocs=2, join=True)
