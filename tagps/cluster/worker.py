@@ -32,8 +32,6 @@ from tagps.atomic import write_text_atomic
 
 __all__ = ["main"]
 
-_OPTIMIZERS = {"sgd": (0.05, 0.0), "momentum": (0.05, 0.9)}
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tagps.cluster.worker", description=__doc__.splitlines()[0])
@@ -56,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.nn.functional as F
 
     import tagps.torch as bps
+    from tagps.models import plan_optimizer
     from tagps.strategy.plan import load
 
     plan = load(args.plan)
@@ -74,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = sum(plan.batch_shares[d] for d in devices[:rank])
     inputs = tuple(x[start : start + local_batch] for x in global_inputs)
     targets = global_targets[start : start + local_batch]
-    optimizer = _optimizer(plan.optimizer, model.parameters())
+    optimizer = plan_optimizer(plan.optimizer, model.parameters())
     if args.runtime != "tagps" and len(set(plan.batch_shares[d] for d in devices)) != 1:
         raise SystemExit(f"--runtime {args.runtime} averages gradients evenly: give it a plan of even shares")
     hvd = None
@@ -136,6 +135,7 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
     import torch.nn.functional as F
 
     import tagps.torch as bps
+    from tagps.models import plan_optimizer
 
     model, global_inputs, global_targets = _setup(args, plan.batch_size)
 
@@ -143,7 +143,7 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
         return F.cross_entropy(out.flatten(0, -2), y.flatten())
 
     dmodel = bps.distribute(model, plan, loss_fn)
-    optimizer = _optimizer(plan.optimizer, dmodel.parameters())
+    optimizer = plan_optimizer(plan.optimizer, dmodel.parameters())
     inputs, targets = dmodel.shard(global_inputs, global_targets)
     losses: list[float] = []
     times: list[float] = []
@@ -164,15 +164,6 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
     del optimizer, dmodel
     bps.shutdown()
     return 0
-
-
-def _optimizer(name: str, params: Any) -> Any:
-    import torch
-
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3)
-    lr, momentum = _OPTIMIZERS[name]
-    return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
 def _write_result(

@@ -17,6 +17,15 @@ from tagps.models.registry import (
     default_batch_size,
     example_inputs,
     model_spec,
+    plan_optimizer,
 )
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "default_batch_size", "example_inputs", "model_spec"]
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "build_model",
+    "default_batch_size",
+    "example_inputs",
+    "model_spec",
+    "plan_optimizer",
+]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +10,19 @@ from torch import nn
 
 from tagps.models import cnn, small, transformer
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "default_batch_size", "example_inputs", "model_spec"]
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "build_model",
+    "default_batch_size",
+    "example_inputs",
+    "model_spec",
+    "plan_optimizer",
+]
+
+# The torch optimizer behind each of a plan's ``optimizer`` names (tagps.strategy.plan.OPTIMIZERS), as
+# training jobs build it and as profiles time its step: (learning rate, momentum) for the SGD ones.
+_SGD = {"sgd": (0.05, 0.0), "momentum": (0.05, 0.9)}
 
 
 @dataclass(frozen=True)
@@ -110,3 +122,13 @@ def example_inputs(
 def default_batch_size(name: str) -> int:
     """Default global batch size of model ``name``."""
     return model_spec(name).batch_size
+
+
+def plan_optimizer(name: str, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """The torch optimizer a plan's ``optimizer`` ``name`` (``sgd``, ``momentum``, ``adam``) trains with."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if name not in _SGD:
+        raise ValueError(f"unknown optimizer {name!r}; known: adam, {', '.join(_SGD)}")
+    lr, momentum = _SGD[name]
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
