@@ -31,7 +31,7 @@ from benchlib import command_line, machine_info, write_json
 from tagps.models import MODELS, default_batch_size
 from tagps.strategy.baselines import BASELINES, random_plan
 from tagps.strategy.plan import Plan
-from tagps.strategy.profiles import Profile
+from tagps.strategy.profiles import ModelTimes, Profile
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import paper_testbed
 
@@ -66,7 +66,13 @@ def roofline_profiles(sim: Simulator) -> dict[str, Profile]:
                 b: {op.name: sim.ops_time((i,), dtype, float(b)) for i, op in enumerate(sim.graph.ops)}
                 for b in PROFILE_BATCHES
             }
-            profiles[dtype.name] = Profile.from_times(sim.graph, dtype.name, PROFILE_BATCHES, times)
+            whole = ModelTimes(  # the ops' own sums: profiles that leave the roofline's times as they are
+                tuple(sum(f for f, _ in times[b].values()) for b in PROFILE_BATCHES),
+                tuple(sum(w for _, w in times[b].values()) for b in PROFILE_BATCHES),
+                {},
+                sim.graph.param_bytes,
+            )
+            profiles[dtype.name] = Profile.from_times(sim.graph, dtype.name, PROFILE_BATCHES, times, whole)
     return profiles
 
 

@@ -399,12 +399,17 @@ def _run_profile(args: argparse.Namespace) -> int:
     roofline = Simulator(graph, grouping_from_names(graph, [[op.name for op in graph.ops]]), one, profiles={})
     print(f"profiled {profile.model} on {profile.device_type} ({profile.host['device']}), "
           f"{len(profile.ops)} ops, forward + backward summed:")
-    print(f"{'batch':>6} {'measured ms':>12} {'fitted ms':>10} {'roofline ms':>12}")
+    print(f"{'batch':>6} {'measured ms':>12} {'fitted ms':>10} {'whole pass ms':>14} {'roofline ms':>12}")
     for k, b in enumerate(profile.batch_sizes):
         measured = sum(op.fwd_s[k] + op.bwd_s[k] for op in profile.ops)
         fitted = sum(sum(op.time(b)) for op in profile.ops)
+        whole = profile.whole.fwd_s[k] + profile.whole.bwd_s[k]
         roof = sum(roofline.group_time(0, 0, float(b)))
-        print(f"{b:>6} {measured * 1e3:>12.3f} {fitted * 1e3:>10.3f} {roof * 1e3:>12.3f}")
+        ms = (measured * 1e3, fitted * 1e3, whole * 1e3, roof * 1e3)
+        print(f"{b:>6} {ms[0]:>12.3f} {ms[1]:>10.3f} {ms[2]:>14.3f} {ms[3]:>12.3f}")
+    steps = ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in profile.whole.apply_s.items())
+    print(f"optimizer step over {profile.whole.param_bytes / 2**20:.1f} MiB of parameters: {steps}")
+    print("(the simulator scales the ops' fits to add up to the whole passes)")
     print(f"profile written to {path}; the simulator costs {profile.model} on {profile.device_type} with it")
     return 0
 

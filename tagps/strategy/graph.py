@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -29,7 +29,7 @@ from tagps.atomic import write_text_atomic
 if TYPE_CHECKING:
     from tagps.strategy.devices import DeviceType
 
-__all__ = ["Graph", "Op", "calibrate_device", "extract_graph", "model_graph", "profile_graph"]
+__all__ = ["Graph", "Op", "calibrate_device", "extract_graph", "model_graph", "profile_graph", "timing_clock"]
 
 
 @dataclass(frozen=True)
@@ -354,6 +354,17 @@ def device_name(device: str) -> str:
     return f"{cpu} x{os.cpu_count()}, {torch.get_num_threads()} threads"
 
 
+def timing_clock(device: str) -> tuple[Callable[[], None], Callable[[], float]]:
+    """``(sync, clock)`` for timing work on ``device``: CUDA synchronises before each reading; one CPU
+    thread reads its own CPU time, so that other load on the host is left out (an op longer than a
+    scheduler slice is otherwise always preempted on a busy host); else the wall clock."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    clock = time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    return sync, clock
+
+
 def profile_graph(
     name: str,
     batch_sizes: Sequence[int] = (1, 4, 16),
@@ -400,10 +411,7 @@ def profile_graph(
     if path.is_file():
         cached = json.loads(path.read_text())
         return {int(b): {op: (fwd, bwd) for op, (fwd, bwd) in row.items()} for b, row in cached.items()}
-    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
-    # One CPU thread runs every op inline: its CPU time is the op's cost with other load on the host left
-    # out (an op longer than a scheduler slice is otherwise always preempted on a busy host).
-    clock = time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    sync, clock = timing_clock(device)
     torch.manual_seed(0)
     model = build_model(name).to(device).train()
     gm = _trace(model, name)

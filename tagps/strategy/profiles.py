@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +25,20 @@ from typing import Any
 
 from tagps.atomic import write_text_atomic
 from tagps.strategy import devices
-from tagps.strategy.graph import Graph, check_device, device_name, model_graph, profile_graph
+from tagps.strategy.graph import (
+    Graph,
+    check_device,
+    device_name,
+    model_graph,
+    profile_graph,
+    timing_clock,
+)
+from tagps.strategy.plan import OPTIMIZERS
 
 __all__ = [
     "PROFILE_FORMAT",
     "SHIPPED_DIR",
+    "ModelTimes",
     "OpProfile",
     "Profile",
     "build_profile",
@@ -37,9 +47,10 @@ __all__ = [
     "load_profile",
     "local_device_type",
     "profile_path",
+    "time_model",
 ]
 
-PROFILE_FORMAT = "tagps-op-profile/1"
+PROFILE_FORMAT = "tagps-op-profile/2"
 SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"
 
 
@@ -93,6 +104,27 @@ class OpProfile:
 
 
 @dataclass(frozen=True)
+class ModelTimes:
+    """The whole model measured, next to its ops: what per-op timings miss.
+
+    Ops timed alone, each at its fastest, add up to less than a pass over the model (1.3-1.7x less for the
+    mini models at batch 32 on a CPU): a pass also runs autograd's engine, allocates, and finds its caches
+    cold after the previous op. The optimizer step is not an op at all.
+
+    Args:
+        fwd_s: the model's fastest forward pass, per batch size of the profile.
+        bwd_s: its fastest backward pass (``autograd`` from the summed output), per batch size.
+        apply_s: optimizer name (``tagps.strategy.plan.OPTIMIZERS``) → the fastest step over every parameter.
+        param_bytes: the bytes of those parameters.
+    """
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    apply_s: dict[str, float]
+    param_bytes: int
+
+
+@dataclass(frozen=True)
 class Profile:
     """Measured op times of one model on one device type.
 
@@ -103,6 +135,10 @@ class Profile:
             (a CPU under a cgroup quota) is another device and keeps the roofline.
         batch_sizes: the batch sizes measured.
         ops: per op of the graph, in graph order.
+        whole: the whole model's passes and optimizer steps, measured on the same device.
+        core_flops: for a CPU profile, the float32 matmul rate of one thread of the host's core measured when
+            it was profiled (None: not measured). A shared host runs slower under load (30 % on this 2-core
+            host's CPU, ops and matmul alike): the profile's times are in units of that core's speed.
         host: where it was measured (device name, torch version, date), for people.
         source: the file it was read from ("" when built in memory); not saved.
     """
@@ -112,6 +148,8 @@ class Profile:
     peak_flops: float
     batch_sizes: tuple[int, ...]
     ops: tuple[OpProfile, ...]
+    whole: ModelTimes
+    core_flops: float | None
     host: dict[str, str]
     source: str = ""
 
@@ -133,6 +171,20 @@ class Profile:
             values = (*op.fwd_s, *op.bwd_s, *op.fwd_fit, *op.bwd_fit)
             if not all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in values):
                 raise ValueError(f"{where}: op {op.name!r} has a time that is not a finite number >= 0")
+        whole = self.whole
+        if len(whole.fwd_s) != len(self.batch_sizes) or len(whole.bwd_s) != len(self.batch_sizes):
+            raise ValueError(f"{where}: the whole model needs one time per batch size {self.batch_sizes}")
+        values = (*whole.fwd_s, *whole.bwd_s, *whole.apply_s.values())
+        if not all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"{where}: the whole model has a time that is not a finite number >= 0")
+        core = self.core_flops
+        if core is not None and not (isinstance(core, int | float) and math.isfinite(core) and core > 0):
+            raise ValueError(f"{where}: core_flops must be a positive number or null, got {core!r}")
+        unknown = set(whole.apply_s) - set(OPTIMIZERS)
+        if unknown:
+            raise ValueError(f"{where}: apply_s names unknown optimizers {sorted(unknown)}")
+        if not (isinstance(whole.param_bytes, int) and whole.param_bytes >= 0):
+            raise ValueError(f"{where}: param_bytes must be an integer >= 0, got {whole.param_bytes!r}")
 
     @property
     def _where(self) -> str:
@@ -140,6 +192,11 @@ class Profile:
 
     def coefficients(self, graph: Graph) -> list[tuple[float, float, float, float]]:
         """Per op of ``graph``, in its order: ``(a_fwd, c_fwd, a_bwd, c_bwd)``.
+
+        Each op's fit is scaled so that the ops of a pass add up to the whole model's measured pass: the
+        intercepts by the whole pass's intercept over theirs, the per-sample slopes likewise (the fits of
+        ``whole.fwd_s`` / ``whole.bwd_s``). An op keeps its share of the pass, and op groups that split the
+        model split its real time.
 
         Raises:
             ValueError: the profile is for another model, or its ops are not the graph's (names the op).
@@ -155,7 +212,20 @@ class Profile:
         for op in self.ops:
             if op.name not in names:
                 raise ValueError(f"{where}: op {op.name!r} is not an op of {graph.name}; profile it again")
-        return [(*by_name[op.name].fwd_fit, *by_name[op.name].bwd_fit) for op in graph.ops]
+        fwd = _match_pass([by_name[op.name].fwd_fit for op in graph.ops], self._whole_fit(self.whole.fwd_s))
+        bwd = _match_pass([by_name[op.name].bwd_fit for op in graph.ops], self._whole_fit(self.whole.bwd_s))
+        return [(*f, *b) for f, b in zip(fwd, bwd, strict=True)]
+
+    def _whole_fit(self, seconds: tuple[float, ...]) -> tuple[float, float]:
+        return fit_linear(self.batch_sizes, seconds)
+
+    def apply_time(self, optimizer: str, param_bytes: float) -> float | None:
+        """Seconds of ``optimizer``'s step over ``param_bytes`` of the model's parameters (its measured
+        step over all of them, pro rata); None when the profile did not time that optimizer."""
+        whole = self.whole
+        if optimizer not in whole.apply_s or whole.param_bytes == 0:
+            return None
+        return whole.apply_s[optimizer] * param_bytes / whole.param_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -164,8 +234,15 @@ class Profile:
             "model": self.model,
             "device_type": self.device_type,
             "peak_flops": self.peak_flops,
+            "core_flops": self.core_flops,
             "batch_sizes": list(self.batch_sizes),
             "host": dict(self.host),
+            "whole": {
+                "fwd_s": list(self.whole.fwd_s),
+                "bwd_s": list(self.whole.bwd_s),
+                "apply_s": dict(self.whole.apply_s),
+                "param_bytes": self.whole.param_bytes,
+            },
             "ops": [
                 {
                     "name": op.name,
@@ -184,8 +261,16 @@ class Profile:
         where = f"profile {source}" if source else "profile"
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"{where}: not a {PROFILE_FORMAT} file (format {found!r})")
+            again = " (an older format: make it again with `tagps profile`)" if _older(found) else ""
+            raise ValueError(f"{where}: not a {PROFILE_FORMAT} file (format {found!r}){again}")
         try:
+            w = data["whole"]
+            whole = ModelTimes(
+                tuple(w["fwd_s"]),
+                tuple(w["bwd_s"]),
+                {str(k): v for k, v in w["apply_s"].items()},
+                w["param_bytes"],
+            )
             ops = tuple(
                 OpProfile(
                     str(o["name"]),
@@ -202,6 +287,8 @@ class Profile:
                 data["peak_flops"],
                 tuple(int(b) for b in data["batch_sizes"]),
                 ops,
+                whole,
+                data["core_flops"],
                 {str(k): str(v) for k, v in data.get("host", {}).items()},
                 source,
             )
@@ -215,9 +302,12 @@ class Profile:
         device_type: str,
         batch_sizes: Sequence[int],
         times: dict[int, dict[str, tuple[float, float]]],
+        whole: ModelTimes,
         host: dict[str, str] | None = None,
+        core_flops: float | None = None,
     ) -> Profile:
-        """Fit a profile to ``{batch: {op: (forward s, backward s)}}`` (:func:`profile_graph`'s answer).
+        """Fit a profile to ``{batch: {op: (forward s, backward s)}}`` (:func:`profile_graph`'s answer) and
+        the whole model's times (:func:`time_model`, at the same ``batch_sizes`` in sorted order).
 
         Raises:
             ValueError: an op of ``graph`` has no time at some batch size, or ``device_type`` is unknown.
@@ -232,7 +322,9 @@ class Profile:
             bwd = tuple(times[b][op.name][1] for b in batches)
             ops.append(OpProfile(op.name, fwd, bwd, fit_linear(batches, fwd), fit_linear(batches, bwd)))
         peak = devices.device_type(device_type).peak_flops
-        return cls(graph.name, device_type, peak, tuple(batches), tuple(ops), dict(host or {}))
+        return cls(
+            graph.name, device_type, peak, tuple(batches), tuple(ops), whole, core_flops, dict(host or {})
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON to ``path`` (atomically)."""
@@ -243,6 +335,25 @@ def _pair(value: Any, op: Any, where: str) -> tuple[float, float]:
     if not isinstance(value, list | tuple) or len(value) != 2:
         raise ValueError(f"{where}: op {op!r}: a fit is [a, c], got {value!r}")
     return value[0], value[1]
+
+
+def _match_pass(fits: list[tuple[float, float]], whole: tuple[float, float]) -> list[tuple[float, float]]:
+    """Scale op fits ``(a, c)`` so that they sum to the whole pass's fit ``(A, C)``.
+
+    Intercepts scale by ``A / sum(a)`` and slopes by ``C / sum(c)``; where the ops have none of a part
+    (every ``a`` is 0), the whole's part is spread over the ops by their share of the other part.
+    """
+    total_a, total_c = sum(a for a, _ in fits), sum(c for _, c in fits)
+    out = []
+    for a, c in fits:
+        new_a = a * whole[0] / total_a if total_a > 0 else (whole[0] * c / total_c if total_c > 0 else 0.0)
+        new_c = c * whole[1] / total_c if total_c > 0 else (whole[1] * a / total_a if total_a > 0 else 0.0)
+        out.append((new_a, new_c))
+    return out
+
+
+def _older(found: Any) -> bool:
+    return isinstance(found, str) and found.startswith("tagps-op-profile/") and found != PROFILE_FORMAT
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -267,12 +378,32 @@ def profile_path(model: str, device_type: str, folder: str | Path | None = None)
 
 
 def find_profile(model: str, device_type: str) -> Path | None:
-    """The profile file of ``model`` on ``device_type``: the cache's (``tagps profile``), else the shipped."""
+    """The profile file of ``model`` on ``device_type``: the cache's (``tagps profile``), else the shipped.
+
+    A cached profile of an older format is passed over with a warning (the shipped one, if any, serves),
+    so that an upgrade does not leave every plan failing on a stale cache.
+    """
     for folder in (_cache_profiles(), SHIPPED_DIR):
         path = profile_path(model, device_type, folder)
-        if path.is_file():
-            return path
+        if not path.is_file():
+            continue
+        if folder != SHIPPED_DIR and _older(_format_of(path)):
+            warnings.warn(
+                f"profile {path} has an older format: ignored; make it again with "
+                f"`tagps profile --model {model}`",
+                stacklevel=2,
+            )
+            continue
+        return path
     return None
+
+
+def _format_of(path: Path) -> Any:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # load_profile names the problem
+    return data.get("format") if isinstance(data, dict) else None
 
 
 def local_device_type(device: str) -> str:
@@ -337,7 +468,11 @@ def build_profile(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
+        core = _core_flops() if device == "cpu" else None
         times = profile_graph(model, batch_sizes, repeats, device=device, progress=progress)
+        whole = time_model(model, batch_sizes, repeats, device)
+        if core is not None:
+            core = max(core, _core_flops())  # before and after: the host's faster moment (load only slows)
         host = {
             "device": device_name(device),
             "torch": torch.__version__,
@@ -345,5 +480,66 @@ def build_profile(
         }
     finally:
         torch.set_num_threads(previous)
-    return Profile.from_times(model_graph(model), dtype, batch_sizes, times, host)
+    return Profile.from_times(model_graph(model), dtype, batch_sizes, times, whole, host, core)
+
+
+def _core_flops() -> float:
+    # The same probe as a calibration's core_flops, so that the two compare (tagps.cluster.measure).
+    from tagps.cluster.measure import measure_core
+
+    return measure_core()[0]
+
+
+def time_model(model: str, batch_sizes: Sequence[int], repeats: int, device: str = "cpu") -> ModelTimes:
+    """Time whole passes of reference model ``model`` and a step of each optimizer on the local ``device``.
+
+    Like :func:`~tagps.strategy.graph.profile_graph`: training mode, one warm-up then ``repeats`` runs, the
+    fastest kept, thread CPU time with one CPU thread. Backward starts from the summed output (the loss's
+    own cost is the loss op's, not the model's). Optimizers are built as training jobs build them
+    (:func:`tagps.models.plan_optimizer`); each timed step follows a forward and backward pass.
+    """
+    import torch
+
+    from tagps.models import build_model, example_inputs, plan_optimizer
+
+    sync, clock = timing_clock(device)
+
+    torch.manual_seed(0)
+    net = build_model(model).to(device).train()
+    fwd, bwd = [], []
+    for batch in sorted(batch_sizes):
+        inputs = example_inputs(model, batch, device)
+        passes = []
+        for k in range(repeats + 1):
+            net.zero_grad(set_to_none=True)  # as training does: backward allocates the gradients
+            sync()
+            start = clock()
+            loss = net(*inputs).float().sum()
+            sync()
+            mid = clock()
+            loss.backward()
+            sync()
+            if k:
+                passes.append((mid - start, clock() - mid))
+        fwd.append(min(f for f, _ in passes))
+        bwd.append(min(b for _, b in passes))
+    # Each step follows a pass at the largest batch, as in training: steps back to back would find the
+    # parameters, gradients and optimizer state in cache (2x faster for vgg-mini's Adam on this host's CPU).
+    params = [p for p in net.parameters() if p.requires_grad]
+    inputs = example_inputs(model, max(batch_sizes), device)
+    apply = {}
+    for name in OPTIMIZERS:
+        optimizer = plan_optimizer(name, params)
+        times = []
+        for k in range(repeats + 1):
+            optimizer.zero_grad(set_to_none=True)
+            net(*inputs).float().sum().backward()
+            sync()
+            start = clock()
+            optimizer.step()
+            sync()
+            if k:
+                times.append(clock() - start)
+        apply[name] = min(times)
+    return ModelTimes(tuple(fwd), tuple(bwd), apply, sum(p.numel() * p.element_size() for p in params))
 

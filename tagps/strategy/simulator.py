@@ -807,9 +807,10 @@ class Simulator:
             profile also to a quota'd share of the core it was recorded on (see ``cpu_core_flops``).
         host_cpu: the CPU that PS communication takes from CPU machines (default: not costed).
         cpu_core_flops: FLOP/s of one full core of the host the ``CPU`` profiles were recorded on (the
-            calibration's ``core_flops``). A ``CPU`` device group of peak ``p`` below it is a share of that
-            core under a quota, which runs every op ``cpu_core_flops / p`` times slower, dispatch included;
-            ``None``: such groups keep the roofline.
+            calibration's ``core_flops``); a profile's own ``core_flops``, measured when it was recorded,
+            wins. A ``CPU`` device group of peak ``p`` below it is a share of that core under a quota, which
+            runs every op ``core / p`` times slower, dispatch included; ``None``: such groups keep the
+            roofline.
 
     Attributes (read-only, for the search): ``graph``, ``grouping``, ``topology``; ``groups`` (per op
     group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
@@ -910,6 +911,8 @@ class Simulator:
         """
         graph = self.graph
         self._op_fits: dict[DeviceType, list[tuple[float, float, float, float]] | None] = {}
+        # Per device type with a profile: (profile, slowdown of its device against the profiled one).
+        self._apply_profiles: dict[DeviceType, tuple[Profile, float]] = {}
         sums: dict[DeviceType, list[tuple[float, float, float, float]] | None] = {}
         for dtype in self.dtypes:
             if dtype in self._op_fits:
@@ -920,13 +923,18 @@ class Simulator:
             else:
                 profile = profiles.get(dtype.name)
             fits = profile.coefficients(graph) if profile is not None else None  # a mismatch raises
+            slow = 1.0
             if fits is not None and profile is not None and profile.peak_flops != dtype.peak_flops:
-                if dtype.name == "CPU" and cpu_core_flops and dtype.peak_flops <= cpu_core_flops:
-                    slow = cpu_core_flops / dtype.peak_flops  # a quota'd share of the profiled core
+                # The profiled core's speed when it was profiled, where the profile measured it.
+                core = (profile.core_flops or cpu_core_flops) if cpu_core_flops else None
+                if dtype.name == "CPU" and core and dtype.peak_flops <= core:
+                    slow = core / dtype.peak_flops  # a quota'd share of the profiled core
                     fits = [(af * slow, cf * slow, ab * slow, cb * slow) for af, cf, ab, cb in fits]
                 else:
                     fits = None  # another peak (a measured or another device): the roofline
             self._op_fits[dtype] = fits
+            if fits is not None and profile is not None:
+                self._apply_profiles[dtype] = (profile, slow)
             sums[dtype] = None if fits is None else [
                 (
                     sum(fits[i][0] for i in g.ops),
@@ -998,9 +1006,16 @@ class Simulator:
         return hit
 
     def apply_time(self, param_bytes: float, nparams: int, dtype: DeviceType, optimizer: str) -> float:
-        """Seconds of the optimizer step over ``param_bytes`` (memory bound) on one device."""
+        """Seconds of the optimizer step over ``param_bytes`` on one device: the profile's measured step, pro
+        rata, where the device type has a profile that timed ``optimizer``; else memory bound."""
         if nparams == 0:
             return 0.0
+        measured = self._apply_profiles.get(dtype)
+        if measured is not None:
+            profile, slow = measured
+            seconds = profile.apply_time(optimizer, param_bytes)
+            if seconds is not None:
+                return seconds * slow
         traffic = APPLY_TRAFFIC[optimizer] * param_bytes
         return traffic / (dtype.memory_bandwidth * dtype.memory_efficiency) + nparams * dtype.op_overhead_s
 

@@ -14,6 +14,7 @@ from tagps.strategy.graph import Graph, model_graph
 from tagps.strategy.grouping import grouping_from_names
 from tagps.strategy.profiles import (
     SHIPPED_DIR,
+    ModelTimes,
     Profile,
     find_profile,
     fit_linear,
@@ -30,14 +31,23 @@ def empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TAGPS_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def synthetic(graph: Graph, scale: float = 1.0, device_type: str = "CPU") -> Profile:
-    """A profile whose op i costs (i+1) ms + (i+1)·0.1 ms/sample forward and twice that backward."""
+def synthetic(
+    graph: Graph, scale: float = 1.0, device_type: str = "CPU", whole: float = 1.0, apply: float | None = None
+) -> Profile:
+    """A profile whose op i costs (i+1) ms + (i+1)·0.1 ms/sample forward and twice that backward; the whole
+    model's passes take ``whole`` times the ops' sum, and an Adam step ``apply`` seconds (None: not timed)."""
     times = {
         b: {op.name: (scale * (i + 1) * (1e-3 + 1e-4 * b), scale * 2 * (i + 1) * (1e-3 + 1e-4 * b))
             for i, op in enumerate(graph.ops)}
         for b in (1, 4, 16)
     }
-    return Profile.from_times(graph, device_type, (1, 4, 16), times, {"device": "test"})
+    passes = ModelTimes(
+        tuple(whole * sum(f for f, _ in times[b].values()) for b in (1, 4, 16)),
+        tuple(whole * sum(w for _, w in times[b].values()) for b in (1, 4, 16)),
+        {} if apply is None else {"adam": apply},
+        graph.param_bytes,
+    )
+    return Profile.from_times(graph, device_type, (1, 4, 16), times, passes, {"device": "test"})
 
 
 def one_group(graph: Graph, *groups: DeviceGroup) -> tuple:
@@ -98,6 +108,62 @@ def test_a_profile_replaces_the_roofline(mlp):
     assert "CPU: profile" in summarize(result, 8)
 
 
+def test_op_fits_add_up_to_the_measured_whole_pass(mlp):
+    # Ops timed alone add up to less than a pass over the model: each op keeps its share of the whole.
+    grouping = grouping_from_names(mlp, [[op.name for op in mlp.ops[:2]], [op.name for op in mlp.ops[2:]]])
+    topo = Topology("t", (CPU,), 10.0)
+    alone = Simulator(mlp, grouping, topo, profiles={"CPU": synthetic(mlp)})
+    slower = Simulator(mlp, grouping, topo, profiles={"CPU": synthetic(mlp, whole=1.5)})
+    for batch in (1.0, 4.0, 16.0, 40.0):
+        for g in range(2):
+            assert slower.group_time(g, 0, batch) == pytest.approx(
+                tuple(1.5 * t for t in alone.group_time(g, 0, batch)), rel=1e-6
+            )
+    whole = synthetic(mlp, whole=1.5).whole
+    for b, fwd, bwd in zip((1.0, 4.0, 16.0), whole.fwd_s, whole.bwd_s, strict=True):
+        parts = [slower.group_time(g, 0, b) for g in range(2)]
+        assert sum(f for f, _ in parts) == pytest.approx(fwd, rel=1e-6)
+        assert sum(w for _, w in parts) == pytest.approx(bwd, rel=1e-6)
+
+
+def test_a_whole_pass_with_a_fixed_cost_the_ops_lack_spreads_it_by_their_slopes():
+    from tagps.strategy.profiles import _match_pass
+
+    fits = _match_pass([(0.0, 1e-4), (0.0, 3e-4)], (2e-3, 8e-4))
+    assert [x for fit in fits for x in fit] == pytest.approx([5e-4, 2e-4, 1.5e-3, 6e-4])
+    assert _match_pass([(0.0, 0.0)], (1e-3, 1e-4)) == [(0.0, 0.0)]  # an op without backward stays free
+
+
+def test_the_optimizer_step_is_the_profiles_measured_one(mlp):
+    grouping, topo = one_group(mlp, CPU)
+    roof = Simulator(mlp, grouping, topo, profiles={})
+    sim = Simulator(mlp, grouping, topo, profiles={"CPU": synthetic(mlp, apply=0.02)})
+    cpu = sim.dtypes[0]
+    n = len(mlp.params)
+    assert sim.apply_time(mlp.param_bytes, n, cpu, "adam") == pytest.approx(0.02)
+    assert sim.apply_time(mlp.param_bytes / 4, 1, cpu, "adam") == pytest.approx(0.005)  # pro rata
+    assert sim.apply_time(0, 0, cpu, "adam") == 0.0
+    # An optimizer the profile did not time keeps the memory-bound model.
+    assert sim.apply_time(mlp.param_bytes, n, cpu, "sgd") == roof.apply_time(mlp.param_bytes, n, cpu, "sgd")
+    # On a quota'd quarter of the profiled core, the step takes four times as long, like the ops.
+    quota = DeviceGroup("slow", "CPU", 1, 10.0, peak_flops=40e9)
+    grouping, topo = one_group(mlp, quota)
+    profiles = {"CPU": synthetic(mlp, apply=0.02)}
+    shared = Simulator(mlp, grouping, topo, profiles=profiles, cpu_core_flops=160e9)
+    assert shared.apply_time(mlp.param_bytes, n, shared.dtypes[0], "adam") == pytest.approx(0.08)
+
+
+def test_time_model_times_passes_and_every_optimizer():
+    from tagps.strategy.plan import OPTIMIZERS
+    from tagps.strategy.profiles import time_model
+
+    torch.set_num_threads(1)
+    whole = time_model("mlp-mini", (1, 4), repeats=1)
+    assert len(whole.fwd_s) == len(whole.bwd_s) == 2 and min(whole.fwd_s + whole.bwd_s) > 0
+    assert set(whole.apply_s) == set(OPTIMIZERS) and min(whole.apply_s.values()) > 0
+    assert whole.param_bytes == model_graph("mlp-mini").param_bytes
+
+
 def test_the_roofline_is_the_fallback_and_is_reported(mlp):
     profile = synthetic(mlp)
     grouping, topo = one_group(mlp, CPU, DeviceGroup("gpu", "V100-32GB", 2, 100.0))
@@ -135,6 +201,11 @@ def test_a_quotad_share_of_the_profiled_core_runs_the_profile_slower(mlp):
     assert sim.compute_sources == {"CPU": "profile"}
     fwd, bwd = sim.group_time(0, 0, 4.0)
     assert sim.group_time(0, 1, 4.0) == pytest.approx((4 * fwd, 4 * bwd))
+    # A profile that measured its core (at 200 GFLOP/s, on a quieter host) is costed against that speed.
+    measured = {"CPU": dataclasses.replace(synthetic(mlp), core_flops=200e9)}
+    sim = Simulator(mlp, grouping, topo, profiles=measured, cpu_core_flops=160e9)
+    assert sim.group_time(0, 1, 4.0) == pytest.approx((5 * fwd, 5 * bwd))
+    assert Simulator(mlp, grouping, topo, profiles=measured).compute_sources == {"CPU": "profile + roofline"}
     faster = DeviceGroup("fast", "CPU", 1, 10.0, peak_flops=320e9)
     grouping, topo = one_group(mlp, CPU, faster)
     assert Simulator(mlp, grouping, topo, profiles=profile, cpu_core_flops=160e9).compute_sources == {
@@ -145,11 +216,11 @@ def test_a_quotad_share_of_the_profiled_core_runs_the_profile_slower(mlp):
 def test_a_mismatched_profile_is_an_error_naming_the_op(mlp):
     grouping, topo = one_group(mlp, CPU)
     good = synthetic(mlp)
-    missing = Profile(good.model, "CPU", good.peak_flops, good.batch_sizes, good.ops[:-1], good.host)
+    missing = dataclasses.replace(good, ops=good.ops[:-1])
     with pytest.raises(ValueError, match=f"op '{mlp.ops[-1].name}' .* is not in the profile"):
         Simulator(mlp, grouping, topo, profiles={"CPU": missing})
     renamed = dataclasses.replace(good.ops[0], name="conv99")
-    extra = Profile(good.model, "CPU", good.peak_flops, good.batch_sizes, (*good.ops, renamed), good.host)
+    extra = dataclasses.replace(good, ops=(*good.ops, renamed))
     with pytest.raises(ValueError, match="op 'conv99' is not an op of mlp"):
         Simulator(mlp, grouping, topo, profiles={"CPU": extra})
     other = synthetic(model_graph("mlp-mini"))
@@ -174,13 +245,35 @@ def test_a_corrupt_profile_file_is_a_clear_error(tmp_path, mlp):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=f"op '{mlp.ops[0].name}' has a time that is not a finite number"):
         load_profile(path)
+    bad_core = {**synthetic(mlp).to_dict(), "core_flops": -1.0}
+    path.write_text(json.dumps(bad_core))
+    with pytest.raises(ValueError, match=r"core_flops must be a positive number or null, got -1\.0"):
+        load_profile(path)
     del data["peak_flops"]
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="missing or malformed field 'peak_flops'"):
         load_profile(path)
-    path.write_text(json.dumps({"format": "something-else"}))
-    with pytest.raises(ValueError, match="not a tagps-op-profile/1 file"):
+    data = synthetic(mlp).to_dict()
+    data["whole"]["apply_s"] = {"lamb": 1e-3}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"apply_s names unknown optimizers \['lamb'\]"):
         load_profile(path)
+    path.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ValueError, match="not a tagps-op-profile/2 file") as info:
+        load_profile(path)
+    assert "tagps profile" not in str(info.value)
+    path.write_text(json.dumps({"format": "tagps-op-profile/1"}))
+    with pytest.raises(ValueError, match=r"an older format: make it again with `tagps profile`"):
+        load_profile(path)
+
+
+def test_a_cached_profile_of_an_older_format_is_passed_over_with_a_warning():
+    # An upgrade must not leave every plan failing on what an older tagps cached: the shipped profile serves.
+    stale = profile_path("vgg-mini", "CPU")
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"format": "tagps-op-profile/1", "model": "vgg-mini"}))
+    with pytest.warns(UserWarning, match=r"older format: ignored; make it again with `tagps profile --model"):
+        assert find_profile("vgg-mini", "CPU") == SHIPPED_DIR / "vgg-mini.CPU.json"
 
 
 def test_the_json_round_trip_and_the_cache_first(mlp):
@@ -220,8 +313,10 @@ def test_cli_profile_writes_a_profile_the_simulator_uses(tmp_path, capsys):
     out = capsys.readouterr().out
     path = profile_path("mlp-mini", "CPU")
     assert f"profile written to {path}" in out and "measured ms" in out and "roofline ms" in out
+    assert "whole pass ms" in out and "optimizer step over" in out and "adam" in out
     profile = load_profile(path)
     assert profile.batch_sizes == (1, 2) and profile.device_type == "CPU"
+    assert profile.core_flops is not None and 1e9 < profile.core_flops < 1e13
     assert [op.name for op in profile.ops] == [op.name for op in model_graph("mlp-mini").ops]
     assert all(op.fwd_s[0] > 0 for op in profile.ops)
 
