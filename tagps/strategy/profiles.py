@@ -212,12 +212,10 @@ class Profile:
         for op in self.ops:
             if op.name not in names:
                 raise ValueError(f"{where}: op {op.name!r} is not an op of {graph.name}; profile it again")
-        fwd = _match_pass([by_name[op.name].fwd_fit for op in graph.ops], self._whole_fit(self.whole.fwd_s))
-        bwd = _match_pass([by_name[op.name].bwd_fit for op in graph.ops], self._whole_fit(self.whole.bwd_s))
+        ops = [by_name[op.name] for op in graph.ops]
+        fwd = _match_pass([op.fwd_fit for op in ops], fit_linear(self.batch_sizes, self.whole.fwd_s))
+        bwd = _match_pass([op.bwd_fit for op in ops], fit_linear(self.batch_sizes, self.whole.bwd_s))
         return [(*f, *b) for f, b in zip(fwd, bwd, strict=True)]
-
-    def _whole_fit(self, seconds: tuple[float, ...]) -> tuple[float, float]:
-        return fit_linear(self.batch_sizes, seconds)
 
     def apply_time(self, optimizer: str, param_bytes: float) -> float | None:
         """Seconds of ``optimizer``'s step over ``param_bytes`` of the model's parameters (its measured
@@ -503,7 +501,6 @@ def time_model(model: str, batch_sizes: Sequence[int], repeats: int, device: str
     from tagps.models import build_model, example_inputs, plan_optimizer
 
     sync, clock = timing_clock(device)
-
     torch.manual_seed(0)
     net = build_model(model).to(device).train()
     fwd, bwd = [], []
