@@ -1,0 +1,66 @@
+"""Re-predict the runs of a committed ``bench/e2e_cluster.py`` result with the simulator as it is now.
+
+Usage: python bench/repredict.py [RESULT_JSON] [--calibration FILE]
+
+The fast way to iterate on the cost model: the measured step times, the plans (with the measured topology
+inside them) and the calibration are all in the result and its ``*-plans/`` folder, so a change to the
+simulator is checked against real runs in seconds instead of a 25-minute cluster run. Prints, per run, the
+measured step time, the prediction recorded then and the prediction now, and the error figures of both
+(Horovod's runs are left out of the figures, as ``bench/e2e_cluster.py`` does). Profiles are found as
+``tagps plan`` finds them (``TAGPS_CACHE_DIR``, then the shipped ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GROUPS = 8  # the op groups bench/e2e_cluster.py plans with
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "result", type=Path, nargs="?", default=REPO / "bench" / "results" / "e2e_cluster.json"
+    )
+    parser.add_argument("--calibration", type=Path, help="a calibration file instead of the recorded one")
+    args = parser.parse_args(argv)
+
+    from tagps.strategy.calibration import Calibration, load_calibration
+    from tagps.strategy.graph import model_graph
+    from tagps.strategy.grouping import group_ops
+    from tagps.strategy.plan import load
+
+    data = json.loads(args.result.read_text())
+    cal = (
+        load_calibration(args.calibration) if args.calibration else Calibration.from_dict(data["calibration"])
+    )
+    then: list[float] = []
+    now: list[float] = []
+    row = "{:<17} {:<18} {:>9} {:>9} {:>9} {:>9} {:>8}"
+    print(row.format("model", "strategy", "measured", "then", "now", "err then", "err now"))
+    for run in data["runs"]:
+        argv_ = shlex.split(run["command"])
+        plan = load(REPO / argv_[argv_.index("--plan") + 1])
+        graph = model_graph(run["model"])
+        predicted = cal.evaluate(cal.simulator(graph, group_ops(graph, GROUPS), plan.topology), plan)
+        measured = run["measured_s"]
+        error = predicted / measured - 1
+        if run["runtime"] != "horovod":
+            then.append(abs(run["rel_error"]))
+            now.append(abs(error))
+        times = (f"{t * 1e3:7.1f}ms" for t in (measured, run["predicted_s"], predicted))
+        print(row.format(run["model"], run["strategy"], *times, f"{run['rel_error']:+.3f}", f"{error:+.3f}"))
+    print(f"|error| mean: then {statistics.mean(then):.3f}, now {statistics.mean(now):.3f}")
+    print(f"|error| max:  then {max(then):.3f}, now {max(now):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
