@@ -281,10 +281,7 @@ class LocalReducer:
                         task = self._tasks.get()
                         if task is None:
                             return
-                        try:
-                            self._start(*task)
-                        except Exception as exc:  # this tensor is refused; the service goes on
-                            task[3].set(exc)
+                        self._start(*task)
                 if self._sock in events:
                     while self._sock.poll(0):
                         frames = self._sock.recv_multipart()
@@ -304,6 +301,10 @@ class LocalReducer:
             for _, future in self._waiting.values():
                 future.set(exc)
             self._waiting.clear()
+            while not self._tasks.empty():  # submitted but not started: they would wait for the timeout
+                task = self._tasks.get()
+                if task is not None:
+                    task[3].set(exc)
 
     def _arena(self, name: str, dtype: torch.dtype, count: int) -> ShmArena:
         arena = self._arenas.get(name)
@@ -322,8 +323,13 @@ class LocalReducer:
         if name in self._waiting:
             future.set(RuntimeError(f"{name!r} is already being reduced; wait for it before resubmitting"))
             return
-        arena = self._arena(name, tensor.dtype, tensor.numel())
-        arena.write(self._me, tensor)
+        try:
+            self._arena(name, tensor.dtype, tensor.numel()).write(self._me, tensor)
+        except Exception as exc:  # this tensor is refused before anyone saw it; the service goes on
+            future.set(exc)
+            return
+        # From here the round is shared: a failure (the root's own reduction, run inline) fails the service,
+        # which tells every participant, as a failure on a socket message does.
         self._waiting[name] = (tensor, future)
         shape = (_dtype_name(tensor.dtype), tensor.numel())
         if self._root:

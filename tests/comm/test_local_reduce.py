@@ -86,7 +86,7 @@ def test_garbage_on_the_loopback_socket_is_dropped_and_the_sums_stay_exact(tmp_p
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
 
 
-def _root_fails(rank: int, init: str, shm_dir: str) -> None:
+def _root_fails(rank: int, init: str, shm_dir: str, late: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     reducer = LocalReducer([0, 1], [[0, 1]], rank, 0, cross=None, timeout=60, shm_dir=shm_dir)
     try:
@@ -96,6 +96,8 @@ def _root_fails(rank: int, init: str, shm_dir: str) -> None:
                 raise MemoryError("boom")
 
             ShmArena.reduce_shard = broken  # this process only
+        if rank == late:  # the other's "ready" comes first: the root fails on a message, or on its own submit
+            time.sleep(0.5)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="boom"):
             reducer.submit("x", torch.ones(1000)).wait()
@@ -106,8 +108,9 @@ def _root_fails(rank: int, init: str, shm_dir: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_root_fails_every_participant_at_once(tmp_path: Path) -> None:
-    mp.spawn(_root_fails, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("late", [0, 1], ids=["root-submits-last", "root-submits-first"])
+def test_a_failed_root_fails_every_participant_at_once(tmp_path: Path, late: int) -> None:
+    mp.spawn(_root_fails, args=(str(tmp_path / "init"), str(tmp_path), late), nprocs=2, join=True)
 
 
 # argv: the victim's local rank, the signal it sends itself before the reducer's setup, a file where it
