@@ -506,9 +506,11 @@ def test_a_ps_call_takes_its_cpu_from_every_member_machine_once_per_tensor_or_fu
         assert busy == pytest.approx(2e-3 * (calls if calls is not None else syncing))
 
 
-def test_an_all_reduce_takes_the_cpu_of_its_bytes_from_the_members_compute():
+@pytest.mark.parametrize("fusion_bytes", [0, 64 << 20], ids=["per-tensor", "fused"])
+def test_an_all_reduce_takes_the_cpu_of_its_bytes_from_the_members_compute(fusion_bytes: int):
     base = sim_for("vgg-mini", cpu_cluster(0.5))
-    plan = dataclasses.replace(BASELINES["dp-nccl"](base, 16), comm=CommSettings(overlap=True))
+    comm = CommSettings(overlap=True, fusion_bytes=fusion_bytes)
+    plan = dataclasses.replace(BASELINES["dp-nccl"](base, 16), comm=comm)
     copy = 1e-8  # s/B: slower than the 1 Gbit/s wire, so the CPU and not the link sets the pace
     host = HostCpu(160e9, copy_s_per_byte=copy)
     copying = Simulator(base.graph, base.grouping, base.topology, host_cpu=host)
