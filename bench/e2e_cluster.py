@@ -25,10 +25,12 @@ LM, 0.7M parameters), each at a global batch of 48, it trains with
   (``--runtime horovod``: the job's processes join as a Horovod job, :mod:`tagps.cluster.horovod_gloo`),
   when ``horovod.torch`` imports (``make bench-deps`` builds it; else skipped, with the reason in the JSON);
 
-and records, per run, the median step time of the best of the interleaved rounds (the machine is shared;
-the least disturbed round is the fairest), the calibrated simulator's prediction for the same plan and the
-``tagps cluster run`` command that trained it. A job that fails is recorded under ``failed_runs`` with its
-command and the end of its output; the figures that need it are null.
+Before calibrating, it profiles the calibration's models and these two on this host (``tagps profile``,
+written to ``<out>-plans/profiles`` and used through ``TAGPS_CACHE_DIR``: the shipped profiles come from
+another host), and records, per run, the median step time of the best of the interleaved rounds (the
+machine is shared; the least disturbed round is the fairest), the calibrated simulator's prediction for the
+same plan and the ``tagps cluster run`` command that trained it. A job that fails is recorded under
+``failed_runs`` with its command and the end of its output; the figures that need it are null.
 
 JSON figures (targets in ``TARGETS``; ratios of samples/s): ``vgg_general_vs_best_dp`` (target >= 1.3) and
 ``transformer_general_vs_best_dp``, with the simulator's ``*_predicted`` ratio beside them and
@@ -52,6 +54,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -250,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
 
-    from tagps.calibrate import calibrate_stages
+    from tagps.calibrate import CALIBRATION_MODELS, calibrate_stages
     from tagps.cluster import ClusterError, check_support
     from tagps.cluster.experiment import Executor, run_plan
     from tagps.cluster.run import up
@@ -258,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
+    from tagps.strategy.profiles import build_profile, profile_path
 
     try:
         spec = load_spec(BENCH_CLUSTER if args.cluster is None else args.cluster)
@@ -269,7 +273,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or REPO / "bench" / "results" / name
     rounds, steps = (1, 10) if args.quick else (2, 20)
     started, load_before = time.monotonic(), os.getloadavg()
-    commands = [f"{sys.executable} -m tagps.calibrate{' --quick' if args.quick else ''}"]
+    plans_dir = out.parent / f"{out.stem}-plans"
+    plans_dir.mkdir(parents=True, exist_ok=True)
+    # Op profiles of this host, for the calibration's models and the benchmark's: the shipped ones come from
+    # another host, whose CPU runs convolutions and optimizer steps at other ratios to its matmul rate.
+    # Written beside the plans (TAGPS_CACHE_DIR=<plans>: bench/repredict.py finds them there).
+    profiled = (*CALIBRATION_MODELS, *MODELS.values())
+    print(f"profiling {', '.join(profiled)} on this host ...", flush=True)
+    commands = [f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.cli profile --model {m}"
+                for m in profiled]  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:  # profiling's op-time cache: not kept, never reused
+        os.environ["TAGPS_CACHE_DIR"] = scratch
+        for m in profiled:
+            build_profile(m).save(profile_path(m, "CPU", plans_dir / "profiles"))
+    os.environ["TAGPS_CACHE_DIR"] = str(plans_dir)
+    commands.append(f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.calibrate"
+                    f"{' --quick' if args.quick else ''}")  # fmt: skip
     print("calibrating the simulator on this host ...", flush=True)
     stages = calibrate_stages(quick=args.quick, log=lambda line: print("  " + line, flush=True))
     cal = stages["jobs"]  # what `python -m tagps.calibrate` writes; "links" is reported beside it
@@ -282,8 +301,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategies["Horovod"] = "horovod"
     exit_failures: list[dict[str, Any]] = []  # jobs that failed after rank 0 wrote its result
     failed: dict[tuple[str, str], dict[str, Any]] = {}  # jobs that failed before it: no measurement
-    plans_dir = out.parent / f"{out.stem}-plans"
-    plans_dir.mkdir(parents=True, exist_ok=True)
     spec_file = args.cluster
     if spec_file is None:  # the commands below name a file: write the built-in spec beside the plans
         spec_file = plans_dir / "cluster.json"

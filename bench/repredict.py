@@ -6,14 +6,16 @@ The fast way to iterate on the cost model: the measured step times, the plans (w
 inside them) and the calibration are all in the result and its ``*-plans/`` folder, so a change to the
 simulator is checked against real runs in seconds instead of a 25-minute cluster run. Prints, per run, the
 measured step time, the prediction recorded then and the prediction now, and the error figures of both
-(Horovod's runs are left out of the figures, as ``bench/e2e_cluster.py`` does). Profiles are found as
-``tagps plan`` finds them (``TAGPS_CACHE_DIR``, then the shipped ones).
+(Horovod's runs are left out of the figures, as ``bench/e2e_cluster.py`` does). The op profiles are the
+ones the run made on its host, in ``<result>-plans/profiles`` (older results: found as ``tagps plan`` finds
+them, ``TAGPS_CACHE_DIR`` and then the shipped ones).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -37,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.plan import load
 
+    plans = args.result.parent / f"{args.result.stem}-plans"
+    if (plans / "profiles").is_dir():
+        os.environ["TAGPS_CACHE_DIR"] = str(plans)
     data = json.loads(args.result.read_text())
     cal = (
         load_calibration(args.calibration) if args.calibration else Calibration.from_dict(data["calibration"])
