@@ -15,8 +15,8 @@ device type with its profile instead of the roofline where one exists (``docs/si
 from __future__ import annotations
 
 import json
-import statistics
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Sequence
