@@ -397,8 +397,12 @@ class PSConfig:
         per usable core (docs/environment.md has the measurement)."""
         if self.server_io_threads is not None:
             return self.server_io_threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(self.num_workers, cores))
+        return max(1, min(self.num_workers, usable_cores()))
+
+
+def usable_cores() -> int:
+    """Return the cores this process may run on (its CPU affinity, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> PSConfig:
@@ -511,11 +515,14 @@ class LauncherConfig:
             ``CUDA_VISIBLE_DEVICES``, else in ``NVIDIA_VISIBLE_DEVICES``, else 1).
         shm_dir: where the job's private shared-memory directory is made (``TAGPS_SHM_DIR``, default
             ``/dev/shm``).
+        threads_chosen: ``OMP_NUM_THREADS`` is set, so each worker keeps the thread count it gives; else
+            bpslaunch splits the machine's cores among its workers.
     """
 
     role: str | None = None
     local_size: int = 1
     shm_dir: str = "/dev/shm"
+    threads_chosen: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in (None, "worker", "server", "scheduler"):
@@ -526,7 +533,8 @@ class LauncherConfig:
 
 def launcher_config(env: Mapping[str, str] = os.environ, *, local: bool = False) -> LauncherConfig:
     """Read ``DMLC_ROLE`` (required unless ``local``), the local size (``BYTEPS_LOCAL_SIZE``,
-    ``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``) and ``TAGPS_SHM_DIR``."""
+    ``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``), ``TAGPS_SHM_DIR`` and whether ``OMP_NUM_THREADS``
+    is set."""
     role = None if local else _read(env, "DMLC_ROLE", _choice("worker", "server", "scheduler"), required=True)
     local_size = _read(env, "BYTEPS_LOCAL_SIZE", _int(1), None)
     if local_size is None:
@@ -535,7 +543,8 @@ def launcher_config(env: Mapping[str, str] = os.environ, *, local: bool = False)
                 local_size = _read(env, name, _device_count, 0) or 1
                 break
     shm_dir = _read(env, "TAGPS_SHM_DIR", str.strip, "/dev/shm")
-    return LauncherConfig(role=role, local_size=local_size or 1, shm_dir=shm_dir)
+    chosen = bool(env.get("OMP_NUM_THREADS", "").strip())
+    return LauncherConfig(role=role, local_size=local_size or 1, shm_dir=shm_dir, threads_chosen=chosen)
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 
 from tagps.config import ConfigError, launcher_config
-from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes
+from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes, share_cores
 
 TIMEOUT = 60
 BPSLAUNCH = (sys.executable, "-m", "tagps.launcher")
 
-# argv[1]: directory for pid files; argv[2]: behaviour (ok | fail:N | sleep | ignore-term | partial | env).
+# argv[1]: directory for pid files; argv[2]: behaviour (ok | fail:N | sleep | ignore-term | partial | env |
+# kill-self | threads).
 # The worker with DMLC_WORKER_ID=1 and BYTEPS_LOCAL_RANK=0 (or a lone process) is the one that acts when
 # the behaviour has the form `one-BEHAVIOUR`; the others sleep.
 CHILD = textwrap.dedent(
@@ -58,6 +59,8 @@ CHILD = textwrap.dedent(
         print(json.dumps({k: os.environ[k] for k in keys}))
     elif mode == "kill-self":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "threads":
+        print("OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"))
     """
 )
 
@@ -197,6 +200,45 @@ def test_local_sets_the_layout_of_every_worker(child: tuple[Path, Path]) -> None
             "TAGPS_DIST_PORT": env["TAGPS_DIST_PORT"],
         }
     _assert_all_gone(pids, 4)
+
+
+def _threads_seen(res: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    """Each worker's OMP_NUM_THREADS, by label, from the output of children in ``threads`` mode."""
+    seen = {}
+    for line in res.stdout.splitlines():
+        label, _, payload = line.partition("] ")
+        if payload.startswith("OMP_NUM_THREADS="):
+            seen[label.lstrip("[")] = payload.split("=", 1)[1]
+    return seen
+
+
+def test_workers_share_the_cores_unless_omp_num_threads_is_set(child: tuple[Path, Path]) -> None:
+    """torch's default of a thread per core in every worker oversubscribes a machine that runs several."""
+    cores = len(os.sched_getaffinity(0))
+    unset = {k: v for k, v in _clean_env().items() if k != "OMP_NUM_THREADS"}
+    res = _bpslaunch(*_local(2, 1, *_child_argv(child, "threads"), local_size=2), env=unset)
+    assert res.returncode == 0, res.stdout + res.stderr
+    share = str(max(1, cores // 4))
+    workers = ["worker 0.0", "worker 0.1", "worker 1.0", "worker 1.1"]
+    assert _threads_seen(res) == dict.fromkeys(workers, share)
+    assert f"each worker here gets {share} of the {cores} cores" in res.stderr
+    chosen = _bpslaunch(*_local(2, 0, *_child_argv(child, "threads")), env=_clean_env(OMP_NUM_THREADS="3"))
+    assert chosen.returncode == 0, chosen.stdout + chosen.stderr
+    assert _threads_seen(chosen) == {"worker 0.0": "3", "worker 1.0": "3"}
+    assert "OMP_NUM_THREADS is unset" not in chosen.stderr
+    alone = _bpslaunch(*_local(1, 0, *_child_argv(child, "threads")), env=unset)
+    assert _threads_seen(alone) == {"worker 0.0": "unset"} and "OMP_NUM_THREADS" not in alone.stderr
+
+
+def test_share_cores_splits_among_workers_and_leaves_services_alone() -> None:
+    specs = local_job(["python", "train.py"], 3, 2, 2, env={})
+    shared, threads = share_cores(specs, 16)
+    assert threads == 2
+    assert [s.env.get("OMP_NUM_THREADS") for s in shared] == [None] * 3 + ["2"] * 6
+    assert [s.label for s in shared] == [s.label for s in specs]
+    assert share_cores(specs, 4)[1] == 1  # never below one thread
+    lone = local_job(["python", "train.py"], 1, 1, 1, env={})
+    assert share_cores(lone, 16) == (lone, None)
 
 
 def test_local_job_describes_scheduler_servers_and_workers() -> None:
