@@ -560,6 +560,31 @@ def sync_batch_norm_matches_one_process(rank: int, size: int) -> None:
     assert torch.allclose(sync(xs[rank]), ref.eval()(xs[rank]), rtol=1e-5, atol=1e-6)
 
 
+@check
+def sync_batch_norm_is_accurate_far_from_zero(rank: int, size: int) -> None:
+    """Data with mean 100 and spread 0.01 (where float32 sums of x and x^2 lose every digit of the variance),
+    no affine parameters, and an empty batch on the last rank: outputs and input gradients match float64
+    BatchNorm on the concatenated batch."""
+    gen = torch.Generator().manual_seed(2)
+    rows = [0 if r == size - 1 else 3 + r for r in range(size)]
+    xs = [100.0 + 0.01 * torch.randn(n, 2, 5, 5, generator=gen, dtype=torch.float64) for n in rows]
+    w = [torch.randn(n, 2, 5, 5, generator=gen, dtype=torch.float64) for n in rows]
+    whole = torch.cat(xs).requires_grad_()
+    ref = nn.functional.batch_norm(whole, None, None, None, None, True, 0.0, 1e-5)
+    (ref * torch.cat(w)).sum().backward()
+    sync = hvd.SyncBatchNorm(2, affine=False)
+    x = xs[rank].float().requires_grad_()
+    out = sync(x)
+    (out * w[rank].float()).sum().backward()
+    start = sum(rows[:rank])
+    mine = slice(start, start + rows[rank])
+    assert whole.grad is not None and x.grad is not None
+    assert torch.allclose(out.double(), ref.detach()[mine], rtol=0, atol=2e-3)
+    scale = whole.grad.abs().max()
+    assert torch.allclose(x.grad.double() / scale, whole.grad[mine] / scale, rtol=0, atol=2e-3)
+    assert torch.allclose(sync.running_mean.double(), 0.1 * whole.detach().mean((0, 2, 3)), rtol=1e-5)
+
+
 class _Net(nn.Module):
     """The shape of Horovod's MNIST example net, for 8x8 inputs."""
 
