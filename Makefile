@@ -14,7 +14,7 @@ SYSTEM_DEPS := if ! pkg-config --exists libzmq 2>/dev/null && [ "$$(id -u)" = 0 
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libzmq3-dev pkg-config; fi
 PYTEST_ARGS ?=
 
-.PHONY: all install build demo test lint bench bench-deps clean
+.PHONY: all install build demo test lint bench bench-deps compat-deps compat clean
 
 all: test
 
@@ -56,5 +56,20 @@ bench-deps: $(STAMP)
 	  src=$$(bench/build_horovod.sh $(PY) build/horovod) && \
 	  $(HOROVOD_ENV) $(PIP) --no-build-isolation "$$src" && $(PY) -c 'import horovod.torch'; fi
 
+# Horovod's and BytePS's public PyTorch examples, run unchanged but for their imports (bench/public_scripts.py).
+# They need torchvision, hence a second venv with torch 2.13.0's CUDA build (requirements/compat.txt says
+# why); tagps comes from this checkout through PYTHONPATH. SCRIPTS: a folder holding the four scripts, which this repo does not ship.
+COMPAT_VENV ?= .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.tagps-compat-installed
+$(COMPAT_STAMP): requirements/compat.txt
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip --isolated install --disable-pip-version-check -r requirements/compat.txt
+	touch $@
+compat-deps: $(COMPAT_STAMP)
+
+compat: build $(COMPAT_STAMP)
+	test -n "$(SCRIPTS)" || { echo 'make compat SCRIPTS=DIR: DIR holds the four public scripts (bench/public_scripts.py)'; exit 2; }
+	$(COMPAT_VENV)/bin/python bench/public_scripts.py --scripts "$(SCRIPTS)"
+
 clean:
-	rm -rf build $(VENV) tagps/_core*.so *.egg-info
+	rm -rf build $(VENV) $(COMPAT_VENV) tagps/_core*.so *.egg-info
