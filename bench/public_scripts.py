@@ -9,9 +9,10 @@ hash of each original and every line that differs, so a reader can check that no
 They import torchvision, whose wheels link torch's CUDA libraries, which this project's torch 2.13.0 CPU
 build lacks, so they run in a second virtual environment (``make compat-deps``: the same torch release in
 its CUDA build, which runs on the CPU, and torchvision 0.28.0, from ``requirements/compat.txt``) with this
-checkout's ``tagps`` (its C++ core built by ``make build``) on ``PYTHONPATH``. No data set can be downloaded here, so MNIST is synthetic: ten noisy class templates written
-in MNIST's own idx format where torchvision looks before it downloads, learnable enough that a test accuracy
-well above chance shows the job trained.
+checkout's ``tagps`` (its C++ core built by ``make build``) on ``PYTHONPATH``. No data set can be
+downloaded here, so MNIST is synthetic: ten noisy class templates written in MNIST's own idx format where
+torchvision looks before it downloads, learnable enough that a test accuracy well above chance shows the
+job trained.
 
     make compat-deps && .venv-compat/bin/python bench/public_scripts.py --scripts DIR
 """
