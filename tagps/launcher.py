@@ -479,7 +479,7 @@ def share_cores(specs: Sequence[ProcessSpec], cores: int) -> tuple[list[ProcessS
 
     torch starts one thread per core in every process, so two workers on one machine oversubscribe it, and
     their OpenMP threads spinning at barriers make each step several times slower: resnet50 at batch 4 on
-    two cores took 0.87 s a step for one worker, 4-6 s for each of two, 1.2 s with one thread each.
+    two cores took 0.87 s a step for one worker, 4-6 s in each of two, 1.4-1.5 s with one thread each.
     A single worker, and the services (which set their own threads), are left as they are.
 
     Returns:
