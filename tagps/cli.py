@@ -1,4 +1,4 @@
-"""`tagps` command line: one subcommand per job (demo, simulate, topology, plan, show, cluster).
+"""`tagps` command line: one subcommand per job (demo, cluster, simulate, topology, plan, show, profile).
 
 Each subcommand lives in a small ``_add_<name>`` function that declares its arguments and points at the
 function that runs it; the heavy modules are imported only inside those functions so `tagps --help`
