@@ -1,6 +1,6 @@
 """Benchmark the strategy creator: predicted speed-ups, search wall time, and the GNN's worth.
 
-Usage: python bench/search.py [--quick] [--study-only] [--out FILE]
+Usage: python bench/search.py [--quick] [--study-only | --presets-only] [--out FILE]
 
 Prints a table and writes JSON (default bench/results/search.json) with ``machine``, ``commands``,
 ``figures``, ``targets``, ``misses`` and ``plans``:
@@ -32,7 +32,8 @@ Prints a table and writes JSON (default bench/results/search.json) with ``machin
   within 2 % of the best known (a 20x longer uniform search without progressive widening, or any search's
   best): ``iters_to_near_best_gnn`` and ``iters_to_near_best_uniform``; target GNN <= 1/3 of uniform.
   ``--study-only`` runs this study alone and merges its figures into the existing JSON (the other figures,
-  and the commands that produced them, are kept).
+  and the commands that produced them, are kept); ``--presets-only`` does the same with the per-model
+  table (its figures, the summary figures above and ``plans``).
 """
 
 from __future__ import annotations
@@ -232,42 +233,8 @@ def misses_of(figures: dict[str, float]) -> list[str]:
     return misses
 
 
-def study_only(out: Path, prior: GNNPrior, cap: int, groups: int) -> int:
-    """Run the near-best study alone and merge it into ``out`` (which a full run must have written)."""
-    if not out.is_file():
-        print(f"{out} does not exist: --study-only merges into a full run's JSON (run without it first)")
-        return 2
-    result = json.loads(out.read_text())
-    figures, rows = near_best_study(prior, cap, groups)
-    result["figures"].update(figures)
-    result["near_best"] = rows
-    result["misses"] = misses_of(result["figures"])
-    result["commands"] = [*result["commands"], shlex.join([sys.executable, *sys.argv])]
-    result["near_best_machine"] = machine()
-    write_json(out, result, indent=1)
-    print(f"merged into {out}")
-    return 0
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller budgets and fewer topologies")
-    parser.add_argument("--study-only", action="store_true",
-                        help="run the near-best study alone and merge it into --out")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    load_before = os.getloadavg()[0]
-    prior = load_prior()
-    iterations = 200 if args.quick else 1500
-    topologies = 20 if args.quick else 100
-    cap = 50 if args.quick else 100
-    gen_groups = 24
-    if args.study_only:
-        return study_only(args.out, prior, cap, gen_groups)
-    figures: dict[str, float] = {}
-    plans: dict[str, dict] = {}
-
+def preset_table(prior: GNNPrior, iterations: int, figures: dict[str, float], plans: dict[str, dict]) -> None:
+    """Plan every reference model on both presets, print the table, and add the summary figures."""
     header = f"{'model':<12} {'preset':<14} {'plan ms':>9} " + " ".join(
         f"{b[:8]:>8}" for b in ("dp-nccl", "dp-nccl-p", "horovod", "byteps", "best")) + f" {'search s':>8}"
     print(f"speed-ups over the baselines ({iterations} MCTS iterations, GNN prior)")
@@ -282,6 +249,72 @@ def main() -> int:
     figures["vgg19_speedup_vs_dpnccl_testbed"] = figures.get("speedup_vgg19_paper-testbed_dp-nccl", 0.0)
     figures["plan_seconds_max"] = max(v for k, v in figures.items() if k.startswith("plan_seconds_"))
     figures["plan_cpu_seconds_max"] = max(v for k, v in figures.items() if k.startswith("plan_cpu_seconds_"))
+
+
+def full_run_missing(out: Path) -> bool:
+    """Say so and return True when ``out``, which a partial run merges into, does not exist yet."""
+    if out.is_file():
+        return False
+    print(f"{out} does not exist: a partial run merges into a full run's JSON (run without it first)")
+    return True
+
+
+def merge_into(out: Path, figures: dict[str, float], extra: dict[str, object], machine_key: str) -> int:
+    """Merge ``figures`` and the ``extra`` top-level entries into a full run's ``out``, recount the misses
+    and record this command and machine under ``machine_key``."""
+    result = json.loads(out.read_text())
+    result["figures"].update(figures)
+    result.update(extra)
+    result["misses"] = misses_of(result["figures"])
+    result["commands"] = [*result["commands"], shlex.join([sys.executable, *sys.argv])]
+    result[machine_key] = {**machine(), "load_average_1min_end": round(os.getloadavg()[0], 2)}
+    write_json(out, result, indent=1)
+    print(f"merged into {out}")
+    return 0
+
+
+def study_only(out: Path, prior: GNNPrior, cap: int, groups: int) -> int:
+    """Run the near-best study alone and merge it into ``out`` (which a full run must have written)."""
+    if full_run_missing(out):
+        return 2
+    figures, rows = near_best_study(prior, cap, groups)
+    return merge_into(out, figures, {"near_best": rows}, "near_best_machine")
+
+
+def presets_only(out: Path, prior: GNNPrior, iterations: int) -> int:
+    """Run the preset table alone and merge its figures and plans into ``out``."""
+    if full_run_missing(out):
+        return 2
+    figures: dict[str, float] = {}
+    plans: dict[str, dict] = {}
+    preset_table(prior, iterations, figures, plans)
+    return merge_into(out, figures, {"plans": plans}, "presets_machine")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller budgets and fewer topologies")
+    parser.add_argument("--study-only", action="store_true",
+                        help="run the near-best study alone and merge it into --out")
+    parser.add_argument("--presets-only", action="store_true",
+                        help="run the per-model preset table alone and merge it into --out")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    prior = load_prior()
+    iterations = 200 if args.quick else 1500
+    topologies = 20 if args.quick else 100
+    cap = 50 if args.quick else 100
+    gen_groups = 24
+    if args.study_only:
+        return study_only(args.out, prior, cap, gen_groups)
+    if args.presets_only:
+        return presets_only(args.out, prior, iterations)
+    figures: dict[str, float] = {}
+    plans: dict[str, dict] = {}
+
+    preset_table(prior, iterations, figures, plans)
 
     seeds = range(1000, 1000 + topologies)
     models = list(REFERENCE_MODELS)
