@@ -164,6 +164,24 @@ def test_time_model_times_passes_and_every_optimizer():
     assert whole.param_bytes == model_graph("mlp-mini").param_bytes
 
 
+def test_time_model_counts_the_median_pass_not_the_fastest(monkeypatch):
+    """Training pays the typical pass: of timed passes taking 3, 1, 2 (forward) and 6, 4, 5 (backward), the
+    profile keeps 2 and 5."""
+    import itertools
+
+    from tagps.strategy import profiles
+
+    stamps = [0.0, 1.0]  # the warm-up pass reads the clock twice
+    t = 10.0
+    for f, b in ((3.0, 6.0), (1.0, 4.0), (2.0, 5.0)):
+        stamps += [t, t + f, t + f + b]
+        t += 100.0
+    clock = itertools.chain(stamps, itertools.count(t))  # the optimizer steps come after
+    monkeypatch.setattr(profiles, "timing_clock", lambda device: (lambda: None, lambda: float(next(clock))))
+    whole = profiles.time_model("mlp-mini", (4,), repeats=3)
+    assert whole.fwd_s == (2.0,) and whole.bwd_s == (5.0,)
+
+
 def test_the_roofline_is_the_fallback_and_is_reported(mlp):
     profile = synthetic(mlp)
     grouping, topo = one_group(mlp, CPU, DeviceGroup("gpu", "V100-32GB", 2, 100.0))
