@@ -1,8 +1,10 @@
 """Horovod's ``SyncBatchNorm``: batch normalisation over the global batch, on CPU and GPU.
 
-In training, every rank computes its per-channel mean and variance (:func:`torch.var_mean`), and one
-allreduce of :math:`n_r \\mu_r`, :math:`n_r (\\sigma_r^2 + \\mu_r^2)` and :math:`n_r` (in float64, so that the
-difference below loses no digits that float32 keeps) gives the statistics of the whole batch:
+In training, every rank computes its per-channel mean :math:`\\mu_r` and variance :math:`\\sigma_r^2` from
+float32 sums of :math:`x - s` and :math:`(x - s)^2`, where :math:`s` is one sample of the channel (so that
+the rounding follows the spread of the data, not its magnitude), and one allreduce of
+:math:`n_r \\mu_r`, :math:`n_r (\\sigma_r^2 + \\mu_r^2)` and :math:`n_r` in float64 (so that the difference
+below loses no digits that float32 keeps) gives the statistics of the whole batch:
 
 .. math::
     \\mu = \\frac{\\sum_r n_r \\mu_r}{N}, \\qquad
