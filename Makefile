@@ -58,7 +58,8 @@ bench-deps: $(STAMP)
 
 # Horovod's and BytePS's public PyTorch examples, run unchanged but for their imports (bench/public_scripts.py).
 # They need torchvision, hence a second venv with torch 2.13.0's CUDA build (requirements/compat.txt says
-# why); tagps comes from this checkout through PYTHONPATH. SCRIPTS: a folder holding the four scripts, which this repo does not ship.
+# why); tagps comes from this checkout through PYTHONPATH. SCRIPTS: a folder holding the four scripts,
+# which this repo does not ship.
 COMPAT_VENV ?= .venv-compat
 COMPAT_STAMP := $(COMPAT_VENV)/.tagps-compat-installed
 $(COMPAT_STAMP): requirements/compat.txt

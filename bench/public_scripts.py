@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import benchlib
@@ -56,7 +56,6 @@ class Case:
     expect: str  # a regex that the output must match; its first group is the reported figure
     minimum: float  # the figure must be at least this
     workers: int = 2
-    env: dict[str, str] = field(default_factory=dict)
 
 
 # Small batches and few steps: the point is that the scripts run and train, on two CPU cores.
@@ -121,7 +120,6 @@ def run_case(case: Case, scripts: Path, workdir: Path, timeout: float) -> dict[s
     ported = workdir / case.script
     diff = port_script(source, ported)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.update(case.env)
     launch = ["--local", str(case.workers), "--servers", str(case.servers), "--"]
     shown = shlex.join(["bpslaunch", *launch, "python", case.script, *case.args])
     print(f"[{case.name}] {shown}", flush=True)

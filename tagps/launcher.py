@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -491,9 +491,7 @@ def share_cores(specs: Sequence[ProcessSpec], cores: int) -> tuple[list[ProcessS
         return list(specs), None
     threads = max(1, cores // workers)
     shared = [
-        spec
-        if spec.service
-        else ProcessSpec(spec.label, spec.argv, {**spec.env, "OMP_NUM_THREADS": str(threads)})
+        spec if spec.service else replace(spec, env={**spec.env, "OMP_NUM_THREADS": str(threads)})
         for spec in specs
     ]
     return shared, threads
