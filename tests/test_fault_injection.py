@@ -45,6 +45,14 @@ EARLY_REGISTER_TIMEOUT, REGISTER_TIMEOUT = 10.0, 60.0
 # After the runtime names the dead node: raising, leaving, and a launcher stopping its siblings (--grace 2).
 EXIT_SLACK = 8.0
 EARLY_KILL_CHANCE = 0.2
+# Each machine's bpslaunch runs through this line, which writes main's return value to a file: Popen
+# reports 0 for a child that another waiter reaped first (ECHILD), which the suite's 32768 pids, recycled
+# within a run, make possible. Without the file a 0 is no success: the launcher died of a signal.
+LAUNCH = (
+    "import sys; from tagps.launcher import main; status = main(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write(str(status)); sys.exit(status)"
+)
+STATUS_LOST = -999  # exited without returning from main, its status reaped by another waiter
 
 WORKER = textwrap.dedent(
     """
@@ -160,12 +168,13 @@ def _start(tmp: Path, early: bool) -> tuple[dict[str, subprocess.Popen[bytes]], 
         PS_REGISTER_TIMEOUT=str(EARLY_REGISTER_TIMEOUT if early else REGISTER_TIMEOUT),
         TAGPS_DIST_TIMEOUT="120", TAGPS_SHM_DIR=str(tmp / "shm"),
     )  # fmt: skip
+    command = ["--grace", "2", "--", sys.executable, str(script)]
     logs = {m.label: tmp / f"{m.label}.log" for m in MACHINES}
     launchers = {}
     for m in MACHINES:
         with logs[m.label].open("wb") as log:
             launchers[m.label] = subprocess.Popen(
-                [sys.executable, "-m", "tagps.launcher", "--grace", "2", "--", sys.executable, str(script)],
+                [sys.executable, "-c", LAUNCH, str(_status_file(tmp, m.label)), *command],
                 cwd=REPO,
                 env={**base, **m.env},
                 stdin=subprocess.DEVNULL,
@@ -173,6 +182,20 @@ def _start(tmp: Path, early: bool) -> tuple[dict[str, subprocess.Popen[bytes]], 
                 stderr=subprocess.STDOUT,
             )
     return launchers, logs
+
+
+def _status_file(tmp: Path, label: str) -> Path:
+    return tmp / f"{label}.status"
+
+
+def _exit_status(proc: subprocess.Popen[bytes], status_file: Path) -> int | None:
+    """A launcher's exit status (None while it runs): what its main returned, else what the OS reported."""
+    code = proc.poll()
+    if code is None:
+        return None
+    if status_file.exists():
+        return int(status_file.read_text())
+    return STATUS_LOST if code == 0 else code
 
 
 def _run(seed: int, tmp: Path) -> Run:
@@ -226,7 +249,7 @@ def _run(seed: int, tmp: Path) -> Run:
         watch_until(lambda: len(run.ended) == len(launchers), time.monotonic() + bound + EXIT_SLACK)
     finally:
         for label, proc in launchers.items():
-            run.status[label] = proc.poll()
+            run.status[label] = _exit_status(proc, _status_file(tmp, label))
             if proc.poll() is None:
                 proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
                 proc.wait()
