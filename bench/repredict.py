@@ -52,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(row.format("model", "strategy", "measured", "then", "now", "err then", "err now"))
     for run in data["runs"]:
         argv_ = shlex.split(run["command"])
-        plan = load(REPO / argv_[argv_.index("--plan") + 1])
+        recorded = REPO / argv_[argv_.index("--plan") + 1]
+        # A run made outside the repo names its plan where it was then; the committed copy is in `plans`.
+        plan = load(recorded if recorded.is_file() else plans / recorded.name)
         graph = model_graph(run["model"])
         predicted = cal.evaluate(cal.simulator(graph, group_ops(graph, GROUPS), plan.topology), plan)
         measured = run["measured_s"]
