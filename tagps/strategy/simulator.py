@@ -14,8 +14,9 @@ index)`` events. Costs (see ``docs/simulator.md``):
 .. math::
     t_{ring}(S, n) = \\frac{2(n-1)}{n}\\frac{S}{B_{min}} + 2(n-1)\\,\\alpha\\,c
 
-    t_{ps}(S_s) = 2\\sum_{w \\ne s}\\frac{S_s}{B_{ws}} + 2\\max_w\\frac{m_w-1}{m_w}\\frac{S_s}{B^{intra}_w}
-        + 2\\alpha c_s
+    t_{ps}(S_s) = \\Big(1 + \\frac{1}{P}\\Big)\\max_h
+        \\sum_{s' \\ne w,\\ h \\in \\{w, s'\\}}\\frac{S_{s'}}{B_{ws'}}
+        + 2\\max_w\\frac{m_w-1}{m_w}\\frac{S_s}{B^{intra}_w} + 2\\alpha c_s
 
     t_{sfb}(F, n) = \\frac{n-1}{n}\\frac{F}{B_{min}} + (n-1)\\,\\alpha + t_{wgrad}
 
@@ -670,9 +671,23 @@ class _TaskGraph:
                     for g in per:
                         sync_done[g].append(t)
                     self._ring_cpu(members, sum(ar_sizes), deps, i)
+            # Links are full duplex and the op group's partitions stream through every server at once
+            # (credits): pulls flow back while later partitions are pushed. Each machine's NIC carries its
+            # workers' pushes to every remote server and, if it hosts a server, every remote worker's
+            # pushes to it (the pulls mirror both the other way); every server's transfer lasts as long as
+            # the busiest NIC's one direction, plus one partition's pull to drain the pipeline.
+            bw = sim.bw
+            nic: dict[int, float] = {}
+            for s, (nbytes, _, _) in ps_bytes.items():
+                for w in members:
+                    if w != s:
+                        nic[w] = nic.get(w, 0.0) + nbytes / bw[w][s]
+                        nic[s] = nic.get(s, 0.0) + nbytes / bw[w][s]
+            busiest = max(nic.values(), default=0.0)
+            wire = busiest * (1 + 1 / max(1, sum(slot[2] for slot in ps_bytes.values())))
             for s, (nbytes, count, partitions) in ps_bytes.items():
-                coef, res, remote = sim._ps(members, s)
-                dur = 2 * nbytes * coef + 2 * count * (inter_lat if remote else intra_lat)
+                local, res, remote = sim._ps(members, s)
+                dur = wire + 2 * nbytes * local + 2 * count * (inter_lat if remote else intra_lat)
                 busy: list[tuple[int, float]] = []
                 if host:
                     server_s, busy = sim._ps_cpu(members, s, nbytes, partitions)
@@ -1057,7 +1072,8 @@ class Simulator:
         return members, sum(members.values())
 
     def _ps(self, members: dict[int, int], server: int) -> tuple[float, tuple[int, ...], bool]:
-        """Seconds per byte of one PS push (or pull) through ``server``, its channels, and whether remote.
+        """Seconds per byte of the reduction inside the slowest member device group (and of the broadcast
+        after the pull), the channels of a PS transfer through ``server``, and whether it is remote.
 
         Remote workers share the server's NIC; each device group first reduces inside itself.
         """
@@ -1065,11 +1081,10 @@ class Simulator:
         hit = self._ps_cache.get(key)
         if hit is None:
             bw, n = self.bw, len(self.dgroups)
-            remote = [w for w in members if w != server]
-            coef = sum(1 / bw[w][server] for w in remote)
-            coef += max((m - 1) / m / bw[w][w] for w, m in members.items())
+            remote = any(w != server for w in members)
+            local = max((m - 1) / m / bw[w][w] for w, m in members.items())
             res = (n + server,) if remote else tuple(2 * n + w for w in members)
-            hit = self._ps_cache[key] = (coef, res, bool(remote))
+            hit = self._ps_cache[key] = (local, res, remote)
         return hit
 
     def _call_cpu(self, members: dict[int, int], calls: int) -> list[tuple[int, float]]:

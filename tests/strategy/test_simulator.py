@@ -21,6 +21,7 @@ from tagps.strategy.grouping import group_ops
 from tagps.strategy.plan import CommSettings, GradientSync, OpGroupPlan, Plan
 from tagps.strategy.simulator import (
     APPLY_TRAFFIC,
+    PS_PARTITION_BYTES,
     HostCpu,
     Simulator,
     allgather_time,
@@ -123,9 +124,37 @@ def test_ps_task_matches_the_formula(mlp):
     result = sim.evaluate(plan, trace=True)
     (task,) = [t for t in result.tasks if t.category == "ps"]
     size, count, inter, intra = mlp.param_bytes, len(mlp.params), 10e9 / 8, 80e9 / 8
-    expected = 2 * (2 * size / inter) + 2 * (1 / 2) * size / intra + 2 * count * topo.inter_latency_s
+    # Full duplex: c's NIC, the busiest, takes a's and b's pushes (and sends both pulls at once), plus one of
+    # the P partitions' pull to drain; inside a and b the reduction before the push and the broadcast after.
+    partitions = sum(-(-nbytes // PS_PARTITION_BYTES) for nbytes in mlp.params.values())
+    wire = 2 * size / inter * (1 + 1 / partitions)
+    expected = wire + 2 * (1 / 2) * size / intra + 2 * count * topo.inter_latency_s
     assert task.end - task.start == pytest.approx(expected, rel=1e-12)
     assert task.resource == "c/nic"
+
+
+def test_ps_through_spare_servers_is_bound_by_the_busiest_nic_in_one_direction():
+    """BytePS's case: 2 workers push 4 equal tensors to 4 server-only machines. Each server takes a quarter
+    from each worker, so a worker's NIC, pushing every byte while it pulls, is the busiest: the transfer is
+    S / B plus one of the 4 partitions' pull, where pushes then pulls on one wire would take 2 S / B."""
+    import torch
+
+    from tagps.strategy.graph import extract_graph
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
+    graph = extract_graph(model, (torch.randn(1, 64),), "four-equal")
+    spare = tuple(DeviceGroup(f"s{i}", "CPU", 0, 100.0) for i in range(4))
+    workers = (DeviceGroup("w0", "1080Ti", 1, 96.0), DeviceGroup("w1", "1080Ti", 1, 96.0))
+    topo = Topology("spare", workers + spare, 10.0)
+    sim = Simulator(graph, group_ops(graph, 1), topo)
+    servers = tuple(g.name for g in spare)
+    plan = data_parallel_plan(sim, 8, even_shares(sim, 8), option="ps", ps_servers=servers)
+    tasks = [t for t in sim.evaluate(plan, trace=True).tasks if t.category == "ps"]
+    assert sorted(t.resource for t in tasks) == [f"s{i}/nic" for i in range(4)]
+    size = graph.param_bytes
+    expected = size / (10e9 / 8) * (1 + 1 / 4) + 2 * topo.inter_latency_s  # one tensor per server
+    for task in tasks:
+        assert task.end - task.start == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("model", MODELS)
