@@ -362,6 +362,18 @@ class _Transfer(NamedTuple):
     sources: tuple[int, ...]
 
 
+class _GradientToReplicas(NamedTuple):
+    """Device group ``dgroup`` reads its rows of a ``duplicate`` producer's output locally; in backward the
+    rows' gradient goes to every replica, since no replica's copy is synced: ``duration`` s over its NIC to
+    the producer's ``others`` device groups, and ``bus`` s to its own other devices."""
+
+    src: int
+    dgroup: int
+    duration: float
+    others: tuple[int, ...]
+    bus: float
+
+
 class _Broadcast(NamedTuple):
     """A ``duplicate`` op group's full-batch input is broadcast to the devices of ``dgroup`` over its bus
     (``duration`` s); in backward the copies' gradients are reduced inside the device group at that cost."""
@@ -502,7 +514,10 @@ class _TaskGraph:
                     edge_deps: list[int] = []
                     if local > 0:
                         edge_deps.append(fwd_out[j][g])
-                        inputs.append(_Local(j, g))
+                        if plan.groups[j].option == "duplicate" and option != "duplicate":
+                            inputs.append(self._to_replicas(j, g, sum(per[g]) * nbytes))
+                        else:
+                            inputs.append(_Local(j, g))
                     sources = [h for h in have if h != g]
                     if sources and need - local > 1e-9 * fbatch:  # tolerance: shares are float ratios
                         dur = (need - local) * nbytes / min(bw[h][g] for h in sources) + inter_lat
@@ -538,6 +553,20 @@ class _TaskGraph:
                 exits.append({g: (fbatch if option == "duplicate" else sum(row)) for g, row in per.items()})
             fwd_out.append(out)
             self.fwd_tasks.append(tasks)
+
+    def _to_replicas(self, src: int, dgroup: int, nbytes: float) -> _GradientToReplicas:
+        """The backward cost of sending ``nbytes`` of ``dgroup``'s rows' gradient to every replica of the
+        ``duplicate`` op group ``src``: once to each of its other device groups, one after another over this
+        NIC, and to this device group's other devices over its bus."""
+        sim = self.sim
+        others = tuple(h for h in self.layouts[src] if h != dgroup)
+        wire = sum(nbytes / sim.bw[dgroup][h] for h in others)
+        duration = wire + sim.topology.inter_latency_s if others else 0.0
+        count = sim.dgroups[dgroup].count  # each device's rows go to its count - 1 neighbours
+        bus = 0.0
+        if count > 1:
+            bus = (count - 1) * nbytes / sim.bw[dgroup][dgroup] + sim.topology.intra_latency_s
+        return _GradientToReplicas(src, dgroup, duration, others, bus)
 
     def backward(self) -> None:
         """Add the backward tasks in reverse order, returning each input's gradient the way it came."""
@@ -588,6 +617,16 @@ class _TaskGraph:
                     t = add(rec.duration, (nic + g,), [bwd_entry[g]], ("transfer", rec.src, i))
                     for h in rec.sources:
                         target.setdefault(h, []).append(t)
+                elif kind is _GradientToReplicas:
+                    g = rec.dgroup
+                    t = bwd_entry[g]
+                    if rec.bus:
+                        t = add(rec.bus, (bus + g,), [t], ("gather", rec.src, i))
+                    target.setdefault(g, []).append(t)
+                    if rec.others:
+                        t = add(rec.duration, (nic + g,), [bwd_entry[g]], ("transfer", rec.src, i))
+                        for h in rec.others:
+                            target.setdefault(h, []).append(t)
                 else:  # _Broadcast
                     g = rec.dgroup
                     t = add(rec.duration, (bus + g,), [bwd_entry[g]], ("reduce", rec.src, i))

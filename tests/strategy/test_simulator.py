@@ -4,6 +4,7 @@ import random
 from pathlib import Path
 
 import pytest
+from strategy_builders import deep_mlp_graph
 
 from tagps.strategy.baselines import (
     BASELINES,
@@ -155,6 +156,27 @@ def test_ps_through_spare_servers_is_bound_by_the_busiest_nic_in_one_direction()
     expected = size / (10e9 / 8) * (1 + 1 / 4) + 2 * topo.inter_latency_s  # one tensor per server
     for task in tasks:
         assert task.end - task.start == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_duplicate_producers_replicas_each_get_every_rows_gradient():
+    """Op group 0 duplicated on two machines, op group 1 split between them: in backward each machine sends
+    its rows' gradient of op group 0's output to the other replica (none is synced), over its NIC."""
+    graph = deep_mlp_graph(64, 4)
+    topo = topology(("a", "1080Ti", 1), ("b", "1080Ti", 1), inter_gbps=1.0)
+    sim = Simulator(graph, group_ops(graph, 2), topo)
+    plan = data_parallel_plan(sim, 8, even_shares(sim, 8))
+    dup = dataclasses.replace(plan.groups[0], option="duplicate")
+    gradients = {
+        name: dataclasses.replace(g, sync="none") if g.group == 0 else g for name, g in plan.gradients.items()
+    }
+    plan = dataclasses.replace(plan, kind="general", groups=(dup, *plan.groups[1:]), gradients=gradients)
+    plan = plan.validate()
+    ((_, nbytes),) = [e for e in sim.preds[1] if e[0] == 0]
+    result = sim.evaluate(plan, trace=True)
+    back = [t for t in result.tasks if t.category == "transfer" and t.resource.endswith("/nic")]
+    assert sorted(t.resource for t in back) == ["a/nic", "b/nic"]
+    for task in back:  # 4 rows each
+        assert task.end - task.start == pytest.approx(4 * nbytes / (1e9 / 8) + topo.inter_latency_s)
 
 
 @pytest.mark.parametrize("model", MODELS)
