@@ -1,20 +1,25 @@
-"""BytePS's claim on an emulated cluster: worker machines plus server-only CPU machines at 1 Gbit/s.
+"""BytePS's claim on an emulated cluster: worker machines plus server-only CPU machines.
 
-Usage: python bench/ps_servers.py [--rounds N] [--steps N] [--out FILE]      (needs root: namespaces, tc)
+Usage: python bench/ps_servers.py [--model M] [--rate-mbit R] [--rounds N] [--steps N] [--out FILE]
+(needs root: namespaces, tc)
 
-The cluster (:data:`CLUSTER`): three one-device worker machines (0.35 cores each) and three machines that
-only host summation servers (0.15 cores each), every link at 1 Gbit/s. For ``vgg-mini`` at a global batch of
-48 it searches a plan on the calibrated simulator with the shipped GNN (the search `tagps plan` runs) and
-trains, in interleaved rounds under ``tagps cluster run --plan``:
+The cluster (:func:`cluster_spec`): three one-device worker machines (0.35 cores each) and three machines
+that only host summation servers (0.15 cores each), every link at ``--rate-mbit`` (default 1000). For
+``--model`` (default ``vgg-mini``) at a global batch of 48 it searches a plan on the calibrated simulator
+with the shipped GNN (the search `tagps plan` runs) and trains, in interleaved rounds under ``tagps cluster
+run --plan``:
 
 - **search's plan**: whatever the search picked (the JSON says whether it syncs by ps across machines);
 - **BytePS-like**: every gradient through the summation servers, one on every machine, server-only ones
   included (BytePS's layout);
+- **PS, spare servers**: every gradient through the servers of the server-only machines alone (each
+  worker's NIC then moves the gradient once each way, against a ring's 4/3 of it for 3 workers);
 - **DP all-reduce**: ``DistributedDataParallel`` over gloo on the three workers.
 
-Figures: ``plan_vs_dp_allreduce`` and ``ps_vs_dp_allreduce`` (samples/s ratios of the best rounds),
-``plan_uses_cross_machine_ps``, and the calibrated simulator's error for each run (issue 12 wants
-``ps_plan_vs_dp_allreduce`` >= 1.3 predicted within 10 %, with the search picking PS on its own).
+Figures: ``plan_vs_dp_allreduce``, ``ps_vs_dp_allreduce`` and ``spare_ps_vs_dp_allreduce`` (ratios of the
+best rounds' median step times), the first with its prediction, ``plan_uses_cross_machine_ps``, and the
+calibrated simulator's error for each run (issue 12 wants ``ps_plan_vs_dp_allreduce`` >= 1.3 predicted
+within 10 %, with the search picking PS on its own).
 """
 
 from __future__ import annotations
@@ -29,14 +34,21 @@ from typing import Any
 from benchlib import command_line, machine_info, write_json
 
 REPO = Path(__file__).resolve().parent.parent
-CLUSTER = {
-    "name": "psservers",
-    "machines": [
-        *({"name": f"w{i}", "workers": 1, "cpu": 0.35, "rate_mbit": 1000} for i in range(3)),
-        *({"name": f"s{i}", "workers": 0, "servers": 1, "cpu": 0.15, "rate_mbit": 1000} for i in range(3)),
-    ],
-}
-MODEL, BATCH, GROUPS = "vgg-mini", 48, 8
+BATCH, GROUPS = 48, 8
+
+
+def cluster_spec(rate_mbit: float) -> dict[str, Any]:
+    """Three one-device worker machines and three server-only machines, every link at ``rate_mbit``."""
+    return {
+        "name": "psservers",
+        "machines": [
+            *({"name": f"w{i}", "workers": 1, "cpu": 0.35, "rate_mbit": rate_mbit} for i in range(3)),
+            *(
+                {"name": f"s{i}", "workers": 0, "servers": 1, "cpu": 0.15, "rate_mbit": rate_mbit}
+                for i in range(3)
+            ),
+        ],
+    }
 
 
 def _cross_machine_ps(plan: Any) -> bool:
@@ -47,6 +59,8 @@ def _cross_machine_ps(plan: Any) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vgg-mini", help="model to train (default vgg-mini)")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="every link's rate (default 1000)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run (default 12)")
     parser.add_argument("--iterations", type=int, default=200, help="search iterations (default 200)")
@@ -56,12 +70,13 @@ def main() -> int:
     from tagps.calibrate import default_path
     from tagps.cluster.experiment import Executor, ddp_plan, run_plan
     from tagps.cluster.run import up
-    from tagps.strategy.baselines import byteps_like
+    from tagps.strategy.baselines import byteps_like, data_parallel_plan, even_shares
     from tagps.strategy.calibration import load_calibration
     from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.mcts import SearchConfig, search
+    from tagps.strategy.plan import CommSettings
     from tagps.strategy.simulator import Simulator
 
     started = time.monotonic()
@@ -69,11 +84,12 @@ def main() -> int:
         raise SystemExit(f"no calibration at {default_path()}: run `python -m tagps.calibrate` first")
     cal = load_calibration(default_path())
     load = [os.getloadavg()[0]]
-    cluster = up(CLUSTER)
+    spec = cluster_spec(args.rate_mbit)
+    cluster = up(spec)
     try:
         topology = cluster.topology(0.3)
         executor = Executor(topology, cluster)
-        graph = model_graph(MODEL)
+        graph = model_graph(args.model)
         grouping = group_ops(graph, GROUPS)
         sim = cal.simulator(graph, grouping, topology)
         config = SearchConfig(iterations=args.iterations, seed=0)
@@ -84,26 +100,41 @@ def main() -> int:
         plans = {
             "search's plan": (dataclasses.replace(found.plan, topology=topology), "tagps"),
             "BytePS-like": (byteps_like(measured_sim, BATCH), "tagps"),
+            "PS, spare servers": (
+                data_parallel_plan(
+                    measured_sim,
+                    BATCH,
+                    even_shares(measured_sim, BATCH),
+                    option="ps",
+                    comm=CommSettings(overlap=True),
+                    ps_servers=tuple(g.name for g in measured_sim.dgroups if g.server_only),
+                    optimizer="adam",
+                ),
+                "tagps",
+            ),
             "DP all-reduce": (ddp_plan(measured_sim, BATCH), "ddp"),
         }
         runs: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             for name, (plan, runtime) in plans.items():
-                result = run_plan(executor, MODEL, plan, runtime, steps=args.steps, warmup=2,
+                result = run_plan(executor, args.model, plan, runtime, steps=args.steps, warmup=2,
                                   env={"OMP_NUM_THREADS": "1"})  # fmt: skip
                 predicted = cal.evaluate(sim, plan)
                 runs.append({"round": rnd, "strategy": name, "measured_s": result["median_step_s"],
                              "predicted_s": predicted, "losses": result["losses"]})  # fmt: skip
-                print(f"round {rnd}: {name:<14} {result['median_step_s'] * 1e3:7.1f} ms measured, "
+                print(f"round {rnd}: {name:<17} {result['median_step_s'] * 1e3:7.1f} ms measured, "
                       f"{predicted * 1e3:7.1f} ms predicted", flush=True)  # fmt: skip
     finally:
         cluster.down()
     load.append(os.getloadavg()[0])
     best = {name: min(r["measured_s"] for r in runs if r["strategy"] == name) for name in plans}
     errors = {r["strategy"]: abs(r["predicted_s"] / r["measured_s"] - 1) for r in runs}
+    predicted = {r["strategy"]: r["predicted_s"] for r in runs}
     figures = {
         "plan_vs_dp_allreduce": best["DP all-reduce"] / best["search's plan"],
+        "plan_vs_dp_allreduce_predicted": predicted["DP all-reduce"] / predicted["search's plan"],
         "ps_vs_dp_allreduce": best["DP all-reduce"] / best["BytePS-like"],
+        "spare_ps_vs_dp_allreduce": best["DP all-reduce"] / best["PS, spare servers"],
         "plan_uses_cross_machine_ps": _cross_machine_ps(plans["search's plan"][0]),
         "sim_abs_rel_error_max": max(errors.values()),
     }
@@ -111,8 +142,8 @@ def main() -> int:
     write_json(Path(args.out), {
         "machine": machine_info(load_average_1min={"start": load[0], "end": load[1]}),
         "command": command_line(),
-        "cluster": CLUSTER,
-        "model": MODEL,
+        "cluster": spec,
+        "model": args.model,
         "batch": BATCH,
         "plan": {"kind": plan.kind, "groups": [[g.option, list(g.placement)] for g in plan.groups],
                  "ps_servers": list(plan.ps_servers)},
