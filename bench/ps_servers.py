@@ -3,6 +3,8 @@
 Usage: python bench/ps_servers.py [--model M] [--rate-mbit R] [--rounds N] [--steps N] [--out FILE]
 (needs root: namespaces, tc)
 
+It first profiles the model on this host (``tagps profile --model M``, into the profile cache).
+
 The cluster (:func:`cluster_spec`): three one-device worker machines (0.35 cores each) and three machines
 that only host summation servers (0.15 cores each), every link at ``--rate-mbit`` (default 1000). For
 ``--model`` (default ``vgg-mini``) at a global batch of 48 it searches a plan on the calibrated simulator
@@ -77,12 +79,19 @@ def main() -> int:
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.mcts import SearchConfig, search
     from tagps.strategy.plan import CommSettings
+    from tagps.strategy.profiles import build_profile, profile_path
     from tagps.strategy.simulator import Simulator
 
     started = time.monotonic()
     if not default_path().is_file():
         raise SystemExit(f"no calibration at {default_path()}: run `python -m tagps.calibrate` first")
     cal = load_calibration(default_path())
+    # The simulator costs the model from an op profile of this host, as `tagps plan` does after
+    # `tagps profile`; a shipped one comes from another host, whose ops relate differently to its core.
+    profile = build_profile(args.model)
+    saved = profile_path(profile.model, profile.device_type)
+    profile.save(saved)
+    print(f"profiled {args.model} on this host: {saved}", flush=True)
     load = [os.getloadavg()[0]]
     spec = cluster_spec(args.rate_mbit)
     cluster = up(spec)
@@ -143,6 +152,8 @@ def main() -> int:
         "machine": machine_info(load_average_1min={"start": load[0], "end": load[1]}),
         "command": command_line(),
         "cluster": spec,
+        "topology_measured": topology.to_dict(),
+        "calibration": cal.to_dict(),
         "model": args.model,
         "batch": BATCH,
         "plan": {"kind": plan.kind, "groups": [[g.option, list(g.placement)] for g in plan.groups],
