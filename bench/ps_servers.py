@@ -72,13 +72,12 @@ def main() -> int:
     from tagps.calibrate import default_path
     from tagps.cluster.experiment import Executor, ddp_plan, run_plan
     from tagps.cluster.run import up
-    from tagps.strategy.baselines import byteps_like, data_parallel_plan, even_shares
+    from tagps.strategy.baselines import byteps_like
     from tagps.strategy.calibration import load_calibration
     from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.mcts import SearchConfig, search
-    from tagps.strategy.plan import CommSettings
     from tagps.strategy.profiles import build_profile, profile_path
     from tagps.strategy.simulator import Simulator
 
@@ -106,21 +105,11 @@ def main() -> int:
         if found.plan is None:
             raise SystemExit("the search found no feasible plan")
         measured_sim = Simulator(graph, grouping, topology)
+        spare = tuple(g.name for g in measured_sim.dgroups if g.server_only)
         plans = {
             "search's plan": (dataclasses.replace(found.plan, topology=topology), "tagps"),
             "BytePS-like": (byteps_like(measured_sim, BATCH), "tagps"),
-            "PS, spare servers": (
-                data_parallel_plan(
-                    measured_sim,
-                    BATCH,
-                    even_shares(measured_sim, BATCH),
-                    option="ps",
-                    comm=CommSettings(overlap=True),
-                    ps_servers=tuple(g.name for g in measured_sim.dgroups if g.server_only),
-                    optimizer="adam",
-                ),
-                "tagps",
-            ),
+            "PS, spare servers": (byteps_like(measured_sim, BATCH, ps_servers=spare), "tagps"),
             "DP all-reduce": (ddp_plan(measured_sim, BATCH), "ddp"),
         }
         runs: list[dict[str, Any]] = []

@@ -157,15 +157,18 @@ def horovod_like(sim: Simulator, batch: int, optimizer: str = "adam") -> Plan:
     )
 
 
-def byteps_like(sim: Simulator, batch: int, optimizer: str = "adam") -> Plan:
-    """BytePS-like: even split, PS for every gradient, one CPU server per machine (server-only ones too)."""
+def byteps_like(
+    sim: Simulator, batch: int, optimizer: str = "adam", ps_servers: tuple[str, ...] | None = None
+) -> Plan:
+    """BytePS-like: even split, PS for every gradient, one CPU server per machine (server-only ones too),
+    or on the machines ``ps_servers`` names."""
     return data_parallel_plan(
         sim,
         batch,
         even_shares(sim, batch),
         option="ps",
         comm=CommSettings(overlap=True),
-        ps_servers=tuple(g.name for g in sim.dgroups),
+        ps_servers=tuple(g.name for g in sim.dgroups) if ps_servers is None else ps_servers,
         optimizer=optimizer,
     )
 

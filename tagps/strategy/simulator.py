@@ -710,20 +710,7 @@ class _TaskGraph:
                     for g in per:
                         sync_done[g].append(t)
                     self._ring_cpu(members, sum(ar_sizes), deps, i)
-            # Links are full duplex and the op group's partitions stream through every server at once
-            # (credits): pulls flow back while later partitions are pushed. Each machine's NIC carries its
-            # workers' pushes to every remote server and, if it hosts a server, every remote worker's
-            # pushes to it (the pulls mirror both the other way); every server's transfer lasts as long as
-            # the busiest NIC's one direction, plus one partition's pull to drain the pipeline.
-            bw = sim.bw
-            nic: dict[int, float] = {}
-            for s, (nbytes, _, _) in ps_bytes.items():
-                for w in members:
-                    if w != s:
-                        nic[w] = nic.get(w, 0.0) + nbytes / bw[w][s]
-                        nic[s] = nic.get(s, 0.0) + nbytes / bw[w][s]
-            busiest = max(nic.values(), default=0.0)
-            wire = busiest * (1 + 1 / max(1, sum(slot[2] for slot in ps_bytes.values())))
+            wire = sim._ps_wire(members, ps_bytes) if ps_bytes else 0.0
             for s, (nbytes, count, partitions) in ps_bytes.items():
                 local, res, remote = sim._ps(members, s)
                 dur = wire + 2 * nbytes * local + 2 * count * (inter_lat if remote else intra_lat)
@@ -1114,7 +1101,7 @@ class Simulator:
         """Seconds per byte of the reduction inside the slowest member device group (and of the broadcast
         after the pull), the channels of a PS transfer through ``server``, and whether it is remote.
 
-        Remote workers share the server's NIC; each device group first reduces inside itself.
+        Each device group first reduces inside itself; the network's part is :meth:`_ps_wire`.
         """
         key = (tuple(members.items()), server)
         hit = self._ps_cache.get(key)
@@ -1125,6 +1112,25 @@ class Simulator:
             res = (n + server,) if remote else tuple(2 * n + w for w in members)
             hit = self._ps_cache[key] = (local, res, remote)
         return hit
+
+    def _ps_wire(self, members: dict[int, int], ps_bytes: dict[int, list[float]]) -> float:
+        """Seconds the network takes for one op group's PS sync (``ps_bytes``: server device group ->
+        ``[bytes, tensors, partitions]``), which each of its servers' transfers lasts.
+
+        Links are full duplex and the op group's partitions stream through every server at once (credits):
+        pulls flow back while later partitions are pushed. Each machine's NIC carries its workers' pushes to
+        every remote server and, if it hosts a server, every remote worker's pushes to it (the pulls mirror
+        both the other way): the busiest NIC's one direction, plus one partition's pull to drain.
+        """
+        nic: dict[int, float] = {}
+        for s, (nbytes, _, _) in ps_bytes.items():
+            for w in members:
+                if w != s:
+                    seconds = nbytes / self.bw[w][s]
+                    nic[w] = nic.get(w, 0.0) + seconds
+                    nic[s] = nic.get(s, 0.0) + seconds
+        partitions = sum(slot[2] for slot in ps_bytes.values())
+        return max(nic.values(), default=0.0) * (1 + 1 / max(1, partitions))
 
     def _call_cpu(self, members: dict[int, int], calls: int) -> list[tuple[int, float]]:
         """``(device group, seconds)`` of its ranks launching and completing ``calls`` sync calls
