@@ -362,6 +362,10 @@ class PSConfig:
             encryption or authentication).
         engine: ``TAGPS_PS_ENGINE``, the data path: ``cpp`` (the libzmq engine in ``tagps._core``; the
             default when it was built with libzmq) or ``python`` (pyzmq).
+        ipc: ``TAGPS_PS_IPC`` (default on), BytePS's IPC mode: a worker of the cpp engine offers a server
+            that advertises its own address (the same host) each chunk's bytes in shared memory, so only
+            headers cross the socket; a cpp server takes the offer unless it keeps a store (async mode, a
+            server optimizer). Off: every byte goes over TCP.
     """
 
     role: str
@@ -390,6 +394,7 @@ class PSConfig:
     register_timeout: float = 120.0
     secret: str | None = field(default=None, repr=False)
     engine: str = "python"
+    ipc: bool = True
 
     def server_io_thread_count(self) -> int:
         """Return the ZeroMQ I/O threads of a server's data socket: ``server_io_threads`` when set, else one
@@ -463,6 +468,7 @@ def ps_config(env: Mapping[str, str] = os.environ, role: str | None = None) -> P
         register_timeout=_read(env, "PS_REGISTER_TIMEOUT", _float(0.0, strict=True), 120.0),
         secret=_read(env, "TAGPS_PS_SECRET", str, None),
         engine=_read(env, "TAGPS_PS_ENGINE", _ps_engine, _default_ps_engine()),
+        ipc=_read(env, "TAGPS_PS_IPC", _bool, True),
     )
 
 

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 namespace tagps::net {
@@ -99,6 +100,8 @@ ClientEngine::ClientEngine(ClientOptions options) : options_(std::move(options))
   TAGPS_ENFORCE(!options_.endpoints.empty(), "a PS client needs at least one server");
   TAGPS_ENFORCE_GE(options_.credit, size_t{1}, "BYTEPS_SCHEDULING_CREDIT");
   TAGPS_ENFORCE_GT(options_.send_timeout_s, 0.0, "send timeout");
+  TAGPS_ENFORCE(options_.colocated.empty() || options_.colocated.size() == options_.endpoints.size(),
+                "colocated names ", options_.colocated.size(), " servers of ", options_.endpoints.size());
   context_ = zmq_ctx_new();
   if (context_ == nullptr) throw Error(zmq_error("zmq_ctx_new"));
   try {
@@ -326,18 +329,73 @@ void ClientEngine::send_inits(const std::shared_ptr<Declaration>& declaration) {
       inits_[c.key] = {declaration, slot++};
     }
   }
+  share_chunks(declaration->tensors);
   for (const TensorSpec& t : declaration->tensors) {
-    // The declared size travels in nbytes; the worker set, when given, and the initial value, when
-    // given, as payload frames in that order.
+    // The declared size travels in nbytes; the worker set, the shared-memory descriptor and the initial
+    // value, each when given, as payload frames in that order.
     const std::string workers = pack_workers(t.workers);
-    const uint8_t flags = t.workers.empty() ? 0 : kFlagWorkers;
-    for (const ChunkSpec& c : t.chunks) {
+    const Tensor& state = tensors_.at(t.index);
+    for (size_t i = 0; i < t.chunks.size(); ++i) {
+      const ChunkSpec& c = t.chunks[i];
+      const Chunk& chunk = state.chunks[i];
+      std::vector<std::string_view> frames;
+      uint8_t flags = 0;
+      if (!workers.empty()) {
+        flags |= kFlagWorkers;
+        frames.emplace_back(workers);
+      }
+      std::string descriptor;
+      if (chunk.region != nullptr) {
+        flags |= kFlagIpc;
+        descriptor = pack_ipc(chunk.segment->describe(chunk.region_offset));
+        frames.emplace_back(descriptor);
+      }
+      if (!t.init.empty()) frames.emplace_back(t.init.data() + c.offset, c.nbytes);
       const HeaderBytes head = pack_header(Op::kInit, options_.node_id, c.key, 0, c.nbytes, t.dtype, flags);
-      send(c.server, head.data(), head.size(), workers.empty() && t.init.empty() ? 0 : ZMQ_SNDMORE);
-      if (!workers.empty()) send(c.server, workers.data(), workers.size(), t.init.empty() ? 0 : ZMQ_SNDMORE);
-      if (!t.init.empty()) send(c.server, t.init.data() + c.offset, c.nbytes, 0);
+      send(c.server, head.data(), head.size(), frames.empty() ? 0 : ZMQ_SNDMORE);
+      for (size_t f = 0; f < frames.size(); ++f) {
+        send(c.server, frames[f].data(), frames[f].size(), f + 1 < frames.size() ? ZMQ_SNDMORE : 0);
+      }
     }
   }
+}
+
+void ClientEngine::share_chunks(const std::vector<TensorSpec>& tensors) {
+  for (uint32_t server = 0; server < options_.colocated.size(); ++server) {
+    if (!options_.colocated[server]) continue;
+    std::vector<Chunk*> chunks;
+    size_t end = kSegmentHeaderBytes;
+    for (const TensorSpec& t : tensors) {
+      for (Chunk& chunk : tensors_.at(t.index).chunks) {
+        if (chunk.spec.server != server) continue;
+        chunk.region_offset = end;
+        end += (chunk.spec.nbytes + kSegmentAlign - 1) / kSegmentAlign * kSegmentAlign;
+        chunks.push_back(&chunk);
+      }
+    }
+    if (chunks.empty()) continue;
+    try {
+      segments_.push_back(std::make_unique<SharedSegment>(end - kSegmentHeaderBytes));
+    } catch (const Error& e) {  // the chunks go over TCP; Python reports why
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ipc_error_.empty()) ipc_error_ = e.what();
+      continue;
+    }
+    for (Chunk* chunk : chunks) {
+      chunk->segment = segments_.back().get();
+      chunk->region = chunk->segment->at(chunk->region_offset);
+    }
+  }
+}
+
+size_t ClientEngine::ipc_chunks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ipc_chunks_;
+}
+
+std::string ClientEngine::ipc_error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ipc_error_;
 }
 
 void ClientEngine::start(const std::shared_ptr<PushPull>& op) {
@@ -363,17 +421,26 @@ void ClientEngine::pump() {
     const Chunk& chunk = tensor.chunks[next.chunk];
     const ChunkSpec& c = chunk.spec;
     const uint8_t flags = next.op->average ? kFlagAverage : 0;
-    const HeaderBytes push = pack_header(Op::kPush, options_.node_id, c.key, chunk.round, c.nbytes, tensor.dtype,
-                                         flags);
-    send(c.server, push.data(), push.size(), ZMQ_SNDMORE);
-    // Zero-copy: the frame points into the caller's buffer and keeps its owner alive until libzmq frees it.
-    zmq_msg_t payload;
-    auto* hint = new std::shared_ptr<void>(next.op->keep);
-    if (zmq_msg_init_data(&payload, next.op->data + c.offset, c.nbytes, release_frame, hint) != 0) {
-      delete hint;
-      throw Failure(zmq_error("cannot create a PUSH frame"));
+    if (chunk.ipc) {
+      // The server reads the bytes from the shared region; until this chunk's PULL_REPLY it owns them.
+      std::memcpy(chunk.region, next.op->data + c.offset, c.nbytes);
+      const HeaderBytes push = pack_header(Op::kPush, options_.node_id, c.key, chunk.round, 0, tensor.dtype,
+                                           flags | kFlagIpc);
+      send(c.server, push.data(), push.size(), 0);
+    } else {
+      const HeaderBytes push = pack_header(Op::kPush, options_.node_id, c.key, chunk.round, c.nbytes,
+                                           tensor.dtype, flags);
+      send(c.server, push.data(), push.size(), ZMQ_SNDMORE);
+      // Zero-copy: the frame points into the caller's buffer and keeps its owner alive until libzmq frees
+      // it.
+      zmq_msg_t payload;
+      auto* hint = new std::shared_ptr<void>(next.op->keep);
+      if (zmq_msg_init_data(&payload, next.op->data + c.offset, c.nbytes, release_frame, hint) != 0) {
+        delete hint;
+        throw Failure(zmq_error("cannot create a PUSH frame"));
+      }
+      send_msg(c.server, payload, 0);
     }
-    send_msg(c.server, payload, 0);
     const HeaderBytes pull = pack_header(Op::kPull, options_.node_id, c.key, chunk.round, 0, tensor.dtype);
     send(c.server, pull.data(), pull.size(), 0);
     in_flight_[c.key] = {next.op, next.chunk};
@@ -426,10 +493,12 @@ void ClientEngine::on_pull_reply(const Header& h, Message& m) {
   const std::shared_ptr<PushPull> op = std::move(it->second.first);
   Chunk& chunk = tensors_.at(op->index).chunks[it->second.second];
   in_flight_.erase(it);
-  if (m.count != 2 || h.round != chunk.round || m.frames[1].size() != chunk.spec.nbytes) {
+  const bool shared = h.flags & kFlagIpc;
+  if (h.round != chunk.round || shared != chunk.ipc || m.count != (shared ? 1u : 2u) ||
+      (!shared && m.frames[1].size() != chunk.spec.nbytes)) {
     throw Failure(detail::concat("malformed PULL_REPLY for key ", h.key, " round ", h.round));
   }
-  std::memcpy(op->data + chunk.spec.offset, m.frames[1].data(), chunk.spec.nbytes);
+  std::memcpy(op->data + chunk.spec.offset, shared ? chunk.region : m.frames[1].data(), chunk.spec.nbytes);
   ++chunk.round;
   if (--op->remaining == 0) finish_op(*op);
 }
@@ -442,8 +511,17 @@ void ClientEngine::on_init_ack(const Header& h) {
   const std::shared_ptr<Declaration> declaration = std::move(it->second.first);
   declaration->rounds[it->second.second] = h.round;
   inits_.erase(it);
-  const auto [index, chunk] = chunk_of_.at(h.key);
-  tensors_.at(index).chunks[chunk].round = h.round;  // non-zero after a server restored a checkpoint
+  const auto [index, slot] = chunk_of_.at(h.key);
+  Chunk& chunk = tensors_.at(index).chunks[slot];
+  chunk.round = h.round;  // non-zero after a server restored a checkpoint
+  if (h.flags & kFlagIpc) {
+    if (chunk.region == nullptr) {
+      throw Failure(detail::concat("INIT_ACK with FLAG_IPC for key ", h.key, ", which was not offered shared memory"));
+    }
+    chunk.ipc = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    ++ipc_chunks_;
+  }
   if (--declaration->left == 0) declaration->finish();
 }
 

@@ -21,6 +21,7 @@
 
 #include <zmq.h>
 
+#include "net/shared_segment.h"
 #include "net/wire.h"
 
 namespace tagps::net {
@@ -81,6 +82,9 @@ struct ClientOptions {
   std::optional<CurveKeys> keys;       // client side: server_public, client_public, client_secret
   size_t credit = 8;                   // BYTEPS_SCHEDULING_CREDIT
   double send_timeout_s = 10;          // PS_HEARTBEAT_TIMEOUT: a send blocked this long fails the client
+  // By server rank: the server is on this host, so offer it the chunks' bytes in shared memory
+  // (TAGPS_PS_IPC; net/shared_segment.h). Empty: none is.
+  std::vector<bool> colocated;
 };
 
 class ClientEngine {
@@ -103,6 +107,9 @@ class ClientEngine {
   std::string fatal() const;
   // Stops the I/O thread and closes the sockets (pending operations fail). Idempotent.
   void close();
+  // Chunks whose bytes the servers take from shared memory, and why others could not (empty: no failure).
+  size_t ipc_chunks() const;
+  std::string ipc_error() const;
 
  private:
   struct Declaration : Completion {
@@ -113,6 +120,10 @@ class ClientEngine {
   struct Chunk {
     ChunkSpec spec;
     uint64_t round = 0;
+    const SharedSegment* segment = nullptr;  // offered to a co-located server: its bytes live there,
+    size_t region_offset = 0;                 // at this offset,
+    char* region = nullptr;                   // at this address
+    bool ipc = false;        // the server took the offer: PUSH and PULL_REPLY carry no payload
   };
   struct Tensor {
     uint8_t dtype = 0;
@@ -142,6 +153,7 @@ class ClientEngine {
   void run();
   bool run_commands();  // false once close() asked the thread to stop
   void send_inits(const std::shared_ptr<Declaration>& declaration);
+  void share_chunks(const std::vector<TensorSpec>& tensors);  // regions for the co-located servers' chunks
   void start(const std::shared_ptr<PushPull>& op);
   void pump();
   void drain(uint32_t rank);
@@ -163,6 +175,8 @@ class ClientEngine {
   mutable std::mutex mu_;  // guards the fields below
   std::deque<Command> commands_;
   std::string fatal_;
+  std::string ipc_error_;
+  size_t ipc_chunks_ = 0;
   bool stopping_ = false;
   bool closed_ = false;
 
@@ -175,6 +189,7 @@ class ClientEngine {
   std::unordered_map<uint64_t, std::pair<uint64_t, size_t>> chunk_of_;  // key -> (tensor index, chunk)
   size_t unacked_ = 0;
   bool failed_ = false;  // fail_all ran: later work fails at once
+  std::vector<std::unique_ptr<SharedSegment>> segments_;  // live until close: servers map them
 };
 
 }  // namespace tagps::net

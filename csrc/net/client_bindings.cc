@@ -98,12 +98,14 @@ A push_pull queued on a PSClientEngine (tagps.ps.client.Handle wraps it).
 The worker's data plane: one DEALER per server, declarations and push_pull (use tagps.ps.PSClient).
 )pbdoc")
       .def(py::init([](uint32_t node_id, std::vector<std::string> endpoints, size_t credit, double send_timeout_s,
-                       std::optional<std::tuple<std::string, std::string, std::string>> curve) {
+                       std::optional<std::tuple<std::string, std::string, std::string>> curve,
+                       std::vector<bool> colocated) {
              net::ClientOptions o;
              o.node_id = node_id;
              o.endpoints = std::move(endpoints);
              o.credit = credit;
              o.send_timeout_s = send_timeout_s;
+             o.colocated = std::move(colocated);
              if (curve) {
                const auto& [server_public, client_public, client_secret] = *curve;
                o.keys = net::CurveKeys{net::curve_key_raw(server_public), std::string(),
@@ -112,9 +114,10 @@ The worker's data plane: one DEALER per server, declarations and push_pull (use 
              return std::make_unique<ClientEngine>(std::move(o));
            }),
            py::arg("node_id"), py::arg("endpoints"), py::arg("credit"), py::arg("send_timeout_s"),
-           py::arg("curve") = py::none(),
+           py::arg("curve") = py::none(), py::arg("colocated") = std::vector<bool>(),
            R"pbdoc(Connect to the servers (endpoints by rank); curve: (server public, client public, client
-secret) Z85 keys, or None for plain TCP.)pbdoc")
+secret) Z85 keys, or None for plain TCP; colocated: by rank, whether the server is on this host, so that
+chunks are offered to it in shared memory (empty: none is).)pbdoc")
       .def(
           "declare",
           [](ClientEngine& engine, const std::vector<TensorTuple>& tensors) {
@@ -144,6 +147,11 @@ rounds in order. Raises RuntimeError with the reason when the engine fails meanw
       .def_property_readonly(
           "fatal", [](const ClientEngine& engine) { return text_or_none(engine.fatal()); },
           R"pbdoc(Why the engine failed, or None.)pbdoc")
+      .def_property_readonly("ipc_chunks", &ClientEngine::ipc_chunks,
+                             R"pbdoc(Declared chunks whose server takes them from shared memory.)pbdoc")
+      .def_property_readonly(
+          "ipc_error", [](const ClientEngine& engine) { return text_or_none(engine.ipc_error()); },
+          R"pbdoc(Why shared memory could not be set up for some chunk (they go over TCP), or None.)pbdoc")
       .def(
           "close",
           [](ClientEngine& engine) {

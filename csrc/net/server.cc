@@ -20,6 +20,7 @@
 
 #include "common/error.h"
 #include "kernels/sum.h"
+#include "net/shared_segment.h"
 #include "net/zap.h"
 
 namespace tagps::net {
@@ -33,9 +34,9 @@ constexpr int kError = 40;
 
 // Messages the I/O thread dispatches per socket before it looks at the other one.
 constexpr int kBatch = 256;
-// Frames of a data message the I/O thread keeps (identity, header, worker set, payload); the rest of an
-// oversized message is counted and dropped (it is refused anyway).
-constexpr size_t kMaxFrames = 4;
+// Frames of a data message the I/O thread keeps (identity, header, worker set, shared-memory descriptor,
+// payload); the rest of an oversized message is counted and dropped (it is refused anyway).
+constexpr size_t kMaxFrames = 5;
 constexpr size_t kMaxLogRecords = 10000;
 
 // A well-formed message that is not acceptable now (answered with ERROR), like server.py's _Reject.
@@ -58,7 +59,7 @@ struct KeyState {
   KeyState(uint64_t key_, uint8_t dtype_, uint64_t nbytes_, int engine_, std::vector<uint32_t> workers_,
            uint32_t num_workers)
       : key(key_), dtype(dtype_), nbytes(nbytes_), engine(engine_), workers(std::move(workers_)),
-        slot(num_workers, -1) {
+        slot(num_workers, -1), regions(workers.size(), nullptr) {
     for (size_t i = 0; i < workers.size(); ++i) slot[workers[i]] = static_cast<int>(i);
   }
 
@@ -72,6 +73,7 @@ struct KeyState {
   const int engine;
   const std::vector<uint32_t> workers;  // ascending
   std::vector<int> slot;                // slot[worker]: index into workers, or -1
+  std::vector<char*> regions;           // by slot: the worker's shared region of this key (engine's), or null
 
   SharedBuffer value;         // the store: async mode or a server optimizer
   zmq::message_t result;      // sync summation: what pulls of the last completed round get
@@ -83,6 +85,7 @@ struct KeyState {
   bool ready = false;
   uint64_t round = 0;
   std::vector<zmq::message_t> frames;  // sync: the pushes of the current round, as received
+  std::vector<bool> frame_shared;      // by frame: it is a worker's shared region, not a received buffer
   std::vector<uint8_t> pushed;
   std::vector<Pending> pulls;
   std::map<uint32_t, std::optional<zmq::message_t>> inits;  // by worker: the INIT's initial value, if any
@@ -111,6 +114,7 @@ struct Work {
   KeyState* st = nullptr;
   bool has_payload = false;
   zmq::message_t payload;
+  char* region = nullptr;  // INIT: the worker's shared region of the key, mapped by the I/O thread
 };
 
 class WorkQueue {
@@ -243,7 +247,8 @@ class Server::Impl {
   void push(zmq::socket_t& out, KeyState& st, Work& work);
   void pull(zmq::socket_t& out, KeyState& st, const Work& work);
   void answer_ready_pulls(zmq::socket_t& out, KeyState& st);
-  void send_value(zmq::socket_t& out, KeyState& st, const std::string& identity, uint64_t round);
+  void send_value(zmq::socket_t& out, KeyState& st, const std::string& identity, uint32_t worker,
+                  uint64_t round);
   void reply_error(zmq::socket_t& sock, const std::string& identity, const Header* header,
                    const std::string& reason);
 
@@ -293,6 +298,8 @@ class Server::Impl {
   size_t log_dropped_ = 0;
   std::string failure_;
   std::atomic<uint64_t> received_{0};
+  std::atomic<uint64_t> ipc_pushes_{0};
+  SegmentMap segments_;  // the workers' shared segments (TAGPS_PS_IPC), mapped at their INITs
 };
 
 Server::Impl::Impl(ServerOptions options)
@@ -370,6 +377,7 @@ ServerStats Server::Impl::stats() const {
   ServerStats out;
   out.rounds = rounds_done();
   out.messages = messages_received();
+  out.ipc_pushes = ipc_pushes_.load(std::memory_order_relaxed);
   uint64_t wall_ns = 0, cpu_ns = 0;
   for (size_t i = 0; i < queues_.size(); ++i) {
     out.sum_calls += sums_[i].calls.load(std::memory_order_relaxed);
@@ -546,18 +554,25 @@ void Server::Impl::dispatch(std::vector<zmq::message_t>& frames, size_t total) {
     const Header& h = *header;
     const Op op = static_cast<Op>(h.op);
     const bool subset = h.flags & kFlagWorkers;
+    const bool shared = h.flags & kFlagIpc;
     if (subset && op != Op::kInit) {
       throw ProtocolError("FLAG_WORKERS on " + op_name(h.op) + "; only INIT carries a worker set");
     }
-    const size_t low = 2 + (subset ? 1 : 0), high = 3 + (subset ? 1 : 0);
+    if (shared && op != Op::kInit && op != Op::kPush) {
+      throw ProtocolError("FLAG_IPC on " + op_name(h.op) + "; only INIT and PUSH carry it");
+    }
+    const bool descriptor = shared && op == Op::kInit;
+    const size_t low = 2 + (subset ? 1 : 0) + (descriptor ? 1 : 0), high = low + 1;
     if (total < low || total > high) {
       throw ProtocolError(detail::concat("expected header, ", subset ? "worker set, " : "",
+                                         descriptor ? "shared-memory descriptor, " : "",
                                          "and at most one payload frame, got ", total - 1, " frames"));
     }
     const uint32_t worker = worker_index(identity, h.sender);
     const bool has_payload = total == high;
     const size_t size = has_payload ? frames.back().size() : 0;
     KeyState* st = nullptr;
+    char* region = nullptr;
     if (op == Op::kInit) {
       std::vector<uint32_t> declared;
       if (subset) {
@@ -565,7 +580,17 @@ void Server::Impl::dispatch(std::vector<zmq::message_t>& frames, size_t total) {
       } else {
         for (uint32_t w = 0; w < opt_.num_workers; ++w) declared.push_back(w);
       }
+      std::optional<IpcDescriptor> offer;
+      if (descriptor) offer = unpack_ipc(frames[low - 1].data(), frames[low - 1].size());
       st = declare(h, size, worker, declared);
+      // A server that keeps a store answers pulls from it, not from sums: it takes no shared memory.
+      if (offer && !keeps_store()) {
+        std::string why;
+        region = segments_.map(*offer, h.nbytes, why);
+        if (region == nullptr) {
+          log(kInfo, detail::concat("worker ", worker, "'s key ", h.key, " goes over TCP: ", why));
+        }
+      }
     } else if (op == Op::kPush || op == Op::kPull) {
       auto it = keys_.find(h.key);  // the I/O thread is the only writer: no lock to read
       if (it == keys_.end()) {
@@ -583,7 +608,7 @@ void Server::Impl::dispatch(std::vector<zmq::message_t>& frames, size_t total) {
       if ((h.flags & kFlagAverage) && !is_float_dtype(st->dtype)) {
         throw ProtocolError(detail::concat("AVERAGE of integer key ", h.key));
       }
-      const uint64_t expected = op == Op::kPush ? st->nbytes : 0;
+      const uint64_t expected = op == Op::kPush && !shared ? st->nbytes : 0;
       if (size != expected || h.nbytes != expected) {
         throw ProtocolError(detail::concat(op_name(h.op), " of key ", h.key, " carries ", size,
                                            " bytes (header: ", h.nbytes, "), expected ", expected));
@@ -597,6 +622,7 @@ void Server::Impl::dispatch(std::vector<zmq::message_t>& frames, size_t total) {
     work.worker = worker;
     work.st = st;
     work.has_payload = has_payload;
+    work.region = region;
     if (has_payload) work.payload = std::move(frames.back());
     queues_[static_cast<size_t>(st->engine)]->put(std::move(work));
     if (op == Op::kPush) {
@@ -818,6 +844,7 @@ void Server::Impl::init(zmq::socket_t& out, KeyState& st, Work& work) {
   } else {
     st.inits[work.worker] = std::nullopt;
   }
+  st.regions[static_cast<size_t>(st.slot[work.worker])] = work.region;
   st.init_waiters.emplace_back(work.identity, work.worker);
   if (st.inits.size() < st.num_workers()) return;
   if (!st.restored) {
@@ -840,7 +867,10 @@ void Server::Impl::init(zmq::socket_t& out, KeyState& st, Work& work) {
   for (const auto& [identity, w] : st.init_waiters) {
     const uint64_t round =
         opt_.enable_async ? static_cast<uint64_t>(st.counts[static_cast<size_t>(st.slot[w])]) : st.round;
-    send_reply(out, identity, pack_header(Op::kInitAck, node_id_, st.key, round, 0, st.dtype, flags_), nullptr);
+    const bool shared = st.regions[static_cast<size_t>(st.slot[w])] != nullptr;
+    send_reply(out, identity,
+               pack_header(Op::kInitAck, node_id_, st.key, round, 0, st.dtype, flags_ | (shared ? kFlagIpc : 0)),
+               nullptr);
   }
   st.init_waiters.clear();
 }
@@ -865,6 +895,11 @@ void Server::Impl::push(zmq::socket_t& out, KeyState& st, Work& work) {
   } else if (!st.frames.empty() && average != st.average) {
     throw Reject(detail::concat("workers disagree on average= for key ", st.key, " round ", round));
   }
+  const bool shared = work.header.flags & kFlagIpc;
+  if (shared && st.regions[slot] == nullptr) {
+    throw Reject(detail::concat("PUSH with FLAG_IPC of key ", st.key, " from worker ", work.worker,
+                                ", whose shared memory this server did not take"));
+  }
   const DType dtype = kernel_dtype(st.dtype);
   const size_t count = st.count();
   if (opt_.enable_async) {
@@ -886,10 +921,23 @@ void Server::Impl::push(zmq::socket_t& out, KeyState& st, Work& work) {
   }
   st.pushed[slot] = 1;
   st.average = average;
+  if (shared) {
+    // The worker's region itself (no free function: the segment outlives the round).
+    work.payload = zmq::message_t(st.regions[slot], st.nbytes, nullptr, nullptr);
+    ipc_pushes_.fetch_add(1, std::memory_order_relaxed);
+  }
   st.frames.push_back(std::move(work.payload));
+  st.frame_shared.push_back(shared);
   if (st.frames.size() < st.num_workers()) return;
   // Sum in place into the first received message (ZeroMQ's own buffer): one pass, no extra copy, and
-  // that message is then sent zero-copy to every puller.
+  // that message is then sent zero-copy to every TCP puller. A shared region is the destination only when
+  // every push came through one: its owner rewrites it once answered, while a TCP reply may still be
+  // sending.
+  const auto received = std::find(st.frame_shared.begin(), st.frame_shared.end(), false);
+  if (received != st.frame_shared.end()) {
+    const auto first = static_cast<size_t>(received - st.frame_shared.begin());
+    std::swap(st.frames[0], st.frames[first]);
+  }
   kernels::SumOptions o;
   o.dtype = dtype;
   o.dst = st.frames[0].data();
@@ -913,14 +961,20 @@ void Server::Impl::push(zmq::socket_t& out, KeyState& st, Work& work) {
       kernels::scale(s);
     }
     if (summing) sums_[static_cast<size_t>(st.engine)].add(st.nbytes * st.frames.size(), start);
+    // Every sharing worker's region gets the result now, while all of them wait for it: a late pull
+    // must not copy from a region whose owner, already answered, rewrites it.
+    for (char* region : st.regions) {
+      if (region != nullptr && region != st.frames[0].data()) std::memcpy(region, st.frames[0].data(), st.nbytes);
+    }
     st.result = std::move(st.frames[0]);
     st.has_result = true;
   }
   st.result_flags = static_cast<uint8_t>(flags_ | (st.average && !optimizer_ ? kFlagAverage : 0));
   st.frames.clear();
+  st.frame_shared.clear();
   st.pushed.assign(st.num_workers(), 0);
   st.round += 1;
-  for (const Pending& p : st.pulls) send_value(out, st, p.identity, p.round);
+  for (const Pending& p : st.pulls) send_value(out, st, p.identity, p.worker, p.round);
   st.pulls.clear();
   st.publish();
   // Last: when the I/O thread sees it, this key is between rounds (and has published so).
@@ -941,7 +995,7 @@ void Server::Impl::pull(zmq::socket_t& out, KeyState& st, const Work& work) {
     st.pulls.push_back({work.identity, work.worker, round});
     answer_ready_pulls(out, st);
   } else if (st.round > 0 && round == st.round - 1) {
-    send_value(out, st, work.identity, round);
+    send_value(out, st, work.identity, work.worker, round);
   } else if (round == st.round) {
     st.pulls.push_back({work.identity, work.worker, round});
   } else {
@@ -956,7 +1010,7 @@ void Server::Impl::answer_ready_pulls(zmq::socket_t& out, KeyState& st) {
   std::vector<Pending> waiting;
   for (Pending& p : st.pulls) {
     if (opt_.max_staleness < 0 || slowest >= static_cast<int64_t>(p.round) + 1 - opt_.max_staleness) {
-      send_value(out, st, p.identity, p.round);
+      send_value(out, st, p.identity, p.worker, p.round);
     } else {
       waiting.push_back(std::move(p));
     }
@@ -964,7 +1018,15 @@ void Server::Impl::answer_ready_pulls(zmq::socket_t& out, KeyState& st) {
   st.pulls = std::move(waiting);
 }
 
-void Server::Impl::send_value(zmq::socket_t& out, KeyState& st, const std::string& identity, uint64_t round) {
+void Server::Impl::send_value(zmq::socket_t& out, KeyState& st, const std::string& identity, uint32_t worker,
+                              uint64_t round) {
+  if (st.has_result && st.regions[static_cast<size_t>(st.slot[worker])] != nullptr) {
+    // The result is already in the worker's region (copied when the round completed).
+    send_reply(out, identity,
+               pack_header(Op::kPullReply, node_id_, st.key, round, 0, st.dtype, st.result_flags | kFlagIpc),
+               nullptr);
+    return;
+  }
   const HeaderBytes head = pack_header(Op::kPullReply, node_id_, st.key, round, st.nbytes, st.dtype,
                                        opt_.enable_async ? flags_ : st.result_flags);
   zmq::message_t payload;

@@ -76,6 +76,7 @@ struct Snapshot {
 struct ServerStats {
   uint64_t rounds = 0;    // sync rounds completed
   uint64_t messages = 0;  // data messages received
+  uint64_t ipc_pushes = 0;  // sync pushes whose bytes came through a worker's shared region
   uint64_t sum_calls = 0;
   uint64_t sum_bytes = 0;
   double sum_seconds = 0;

@@ -186,13 +186,14 @@ counts, value (uint8 array or None) and buffers ({name: uint8 array}).)pbdoc")
             py::dict out;
             out["rounds"] = s.rounds;
             out["messages"] = s.messages;
+            out["ipc_pushes"] = s.ipc_pushes;
             out["sum_calls"] = s.sum_calls;
             out["sum_bytes"] = s.sum_bytes;
             out["sum_seconds"] = s.sum_seconds;
             out["sum_cpu_seconds"] = s.sum_cpu_seconds;
             return out;
           },
-          R"pbdoc(Counters since start: rounds, messages, and the summation's sum_calls, sum_bytes (every
+          R"pbdoc(Counters since start: rounds, messages, ipc_pushes (through shared memory), and the summation's sum_calls, sum_bytes (every
 push folded into a sum), sum_seconds (wall) and sum_cpu_seconds (the engine threads' CPU time).)pbdoc");
 
   m.def(

@@ -2,7 +2,8 @@
 // settings every node applies (mirror of tagps/ps/transport.py's Security).
 //
 // Every message is a ZeroMQ multipart message: a fixed 36-byte little-endian header, then at most one
-// payload frame (an INIT with kFlagWorkers: the worker set frame, then at most one payload frame):
+// payload frame (an INIT: the worker set frame with kFlagWorkers, the shared-memory descriptor frame with
+// kFlagIpc, then at most one payload frame):
 //
 //   offset size field    meaning
 //   0      2    magic    "TP"
@@ -47,7 +48,11 @@ inline constexpr uint8_t kFlagAsync = 2;
 inline constexpr uint8_t kFlagAverage = 4;
 // INIT flag: the first payload frame names the workers that push the key (default: every worker).
 inline constexpr uint8_t kFlagWorkers = 8;
-inline constexpr uint8_t kFlagsMask = kFlagServerOptimizer | kFlagAsync | kFlagAverage | kFlagWorkers;
+// Shared memory (net/shared_segment.h). INIT: a descriptor frame (kIpcDescriptorSize bytes) follows the
+// worker set: the worker offers the chunk's bytes in a segment on this host. INIT_ACK: the server mapped
+// it. PUSH and PULL_REPLY: the bytes are in the worker's segment, the message carries none (nbytes 0).
+inline constexpr uint8_t kFlagIpc = 16;
+inline constexpr uint8_t kFlagsMask = kFlagServerOptimizer | kFlagAsync | kFlagAverage | kFlagWorkers | kFlagIpc;
 
 inline constexpr uint32_t kSchedulerNodeId = 1;
 

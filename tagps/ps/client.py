@@ -188,6 +188,7 @@ class PSClient:
             raise ValueError(f"PSClient needs DMLC_ROLE=worker, got {config.role}")
         self.config = config
         self._engine: Any = None  # the C++ data plane (TAGPS_PS_ENGINE=cpp); it owns the server sockets
+        self._ipc_warned = False
         self.worker_id = config.worker_id
         self.num_workers = config.num_workers
         keep_freed_buffers()  # pull replies arrive in fresh zmq buffers every round
@@ -520,6 +521,10 @@ class PSClient:
             rounds = iter(self._engine.declare(specs))
         except RuntimeError as exc:
             raise RuntimeError(f"declaration failed: {exc}") from None
+        if self._engine.ipc_error is not None and not self._ipc_warned:
+            self._ipc_warned = True
+            log.warning("shared memory with co-located servers failed, using TCP: %s", self._engine.ipc_error)
+        log.debug("%d chunks go through shared memory", self._engine.ipc_chunks)
         for t in tensors:
             for chunk in t.chunks:
                 chunk.round = next(rounds)
@@ -543,12 +548,17 @@ class PSClient:
     def _start_engine(self) -> Any:
         keys = self._security.keys
         curve = None if keys is None else (keys.server_public, keys.client_public, keys.client_secret)
+        # A server that advertises this worker's own address runs on this host (the emulated machines of
+        # tagps.cluster each have their own): BytePS's IPC mode offers it the bytes in shared memory.
+        own = self._link.host
+        colocated = [self.config.ipc and host == own for host, _ in self.servers]
         return _core.PSClientEngine(
             self.node_id,
             [f"tcp://{host}:{port}" for host, port in self.servers],
             self.config.scheduling_credit,
             self.config.heartbeat_timeout,
             curve,
+            colocated,
         )
 
     def _connect(self, book: AddressBook) -> list[zmq.Socket]:

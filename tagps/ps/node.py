@@ -76,6 +76,7 @@ class SchedulerLink:
         rank: int | None = None,
     ) -> None:
         self.config = config
+        self.host = host
         self.socket = security.client(context.socket(zmq.DEALER))
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.setsockopt(zmq.SNDTIMEO, int(config.heartbeat_timeout * 1000))

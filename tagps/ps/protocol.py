@@ -37,9 +37,11 @@ import numpy as np
 __all__ = [
     "FLAG_ASYNC",
     "FLAG_AVERAGE",
+    "FLAG_IPC",
     "FLAG_SERVER_OPTIMIZER",
     "FLAG_WORKERS",
     "HEADER_SIZE",
+    "IPC_DESCRIPTOR_SIZE",
     "MAGIC",
     "MAX_CHUNKS",
     "MAX_JSON_BYTES",
@@ -80,7 +82,13 @@ FLAG_ASYNC = 2
 FLAG_AVERAGE = 4
 #: INIT flag: the first payload frame names the workers that push the key (default: every worker).
 FLAG_WORKERS = 8
-_FLAGS_MASK = FLAG_SERVER_OPTIMIZER | FLAG_ASYNC | FLAG_AVERAGE | FLAG_WORKERS
+#: Shared memory between a worker and a server on one host (``TAGPS_PS_IPC``; csrc/net/shared_segment.h).
+#: INIT: a descriptor frame of :data:`IPC_DESCRIPTOR_SIZE` bytes follows the worker set. INIT_ACK: the server
+#: mapped the worker's segment. PUSH and PULL_REPLY: the bytes are in that segment; the message has none.
+FLAG_IPC = 16
+_FLAGS_MASK = FLAG_SERVER_OPTIMIZER | FLAG_ASYNC | FLAG_AVERAGE | FLAG_WORKERS | FLAG_IPC
+#: Bytes of a shared-memory descriptor: pid (u32), descriptor (i32), nonce, segment size, offset (u64 each).
+IPC_DESCRIPTOR_SIZE = 32
 _WORKER_ID = struct.Struct("<I")
 
 SCHEDULER_NODE_ID = 1

@@ -60,8 +60,10 @@ from tagps.ps.optimizer import OptimizerState, ServerOptimizer
 from tagps.ps.protocol import (
     FLAG_ASYNC,
     FLAG_AVERAGE,
+    FLAG_IPC,
     FLAG_SERVER_OPTIMIZER,
     FLAG_WORKERS,
+    IPC_DESCRIPTOR_SIZE,
     DType,
     Op,
     ProtocolError,
@@ -238,9 +240,10 @@ class SummationServer:
         """Return the data plane's counters since start (either engine, while serving or after).
 
         Returns:
-            ``rounds`` (sync rounds completed), ``messages`` (data messages received), and what the engine
-            threads summed: ``sum_calls``, ``sum_bytes`` (every push folded into a sum, the first one
-            included; each async push), ``sum_seconds`` (wall clock in the summation kernels) and
+            ``rounds`` (sync rounds completed), ``messages`` (data messages received), ``ipc_pushes`` (sync
+            pushes whose bytes a worker shared through memory, ``TAGPS_PS_IPC``; the cpp engine only), and
+            what the engine threads summed: ``sum_calls``, ``sum_bytes`` (every push folded into a sum, the
+            first one included; each async push), ``sum_seconds`` (wall clock in the summation kernels) and
             ``sum_cpu_seconds`` (the engine threads' CPU time in them, which leaves out the moments the
             OS ran another thread). ``sum_bytes / sum_cpu_seconds`` is the engine's summation rate.
         """
@@ -250,6 +253,7 @@ class SummationServer:
         return {
             "rounds": sum(self._done),
             "messages": self._received,
+            "ipc_pushes": 0,
             "sum_calls": sum(c.calls for c in sums),
             "sum_bytes": sum(c.bytes for c in sums),
             "sum_seconds": sum(c.seconds for c in sums),
@@ -414,17 +418,28 @@ class SummationServer:
             if len(frames) < 2:
                 raise ProtocolError("expected a header frame, got none")
             header = unpack_header(frames[1].buffer)
-            # An INIT with FLAG_WORKERS carries the worker set before its optional initial value.
+            # An INIT carries the worker set (FLAG_WORKERS) and a shared-memory descriptor (FLAG_IPC), each
+            # when flagged, before its optional initial value.
             subset = header.flags & FLAG_WORKERS
             if subset and header.op != Op.INIT:
                 raise ProtocolError(f"FLAG_WORKERS on {Op(header.op).name}; only INIT carries a worker set")
-            if not 2 + bool(subset) <= len(frames) <= 3 + bool(subset):
+            if header.flags & FLAG_IPC and header.op not in (Op.INIT, Op.PUSH):
+                raise ProtocolError(f"FLAG_IPC on {Op(header.op).name}; only INIT and PUSH carry it")
+            descriptor = bool(header.flags & FLAG_IPC) and header.op == Op.INIT
+            low = 2 + bool(subset) + descriptor
+            if not low <= len(frames) <= low + 1:
                 raise ProtocolError(
-                    f"expected header, {'worker set, ' if subset else ''}and at most one payload frame, "
+                    f"expected header, {'worker set, ' if subset else ''}"
+                    f"{'shared-memory descriptor, ' if descriptor else ''}and at most one payload frame, "
                     f"got {len(frames) - 1} frames"
                 )
+            if descriptor and len(frames[low - 1].buffer) != IPC_DESCRIPTOR_SIZE:
+                raise ProtocolError(
+                    f"shared-memory descriptor of {len(frames[low - 1].buffer)} bytes, "
+                    f"expected {IPC_DESCRIPTOR_SIZE}"
+                )
             worker = self._worker_index(identity, header.sender)
-            payload = frames[-1] if len(frames) == 3 + bool(subset) else None
+            payload = frames[-1] if len(frames) == low + 1 else None
             size = len(payload.buffer) if payload is not None else 0
             if header.op == Op.INIT:
                 declared = (
@@ -445,6 +460,11 @@ class SummationServer:
                     raise ProtocolError(f"dtype code {header.dtype} but key {header.key} holds {state.dtype}")
                 if header.flags & FLAG_AVERAGE and state.dtype in (DType.INT32, DType.INT64):
                     raise ProtocolError(f"AVERAGE of integer key {header.key}")
+                if header.flags & FLAG_IPC:  # this engine maps no memory, so it acknowledged no offer
+                    raise ProtocolError(
+                        f"PUSH with FLAG_IPC of key {header.key} from worker {worker}, whose shared memory "
+                        "this server did not take"
+                    )
                 expected = state.nbytes if header.op == Op.PUSH else 0
                 if size != expected or header.nbytes != expected:
                     raise ProtocolError(

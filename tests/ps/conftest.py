@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,9 +30,13 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import zmq
 
 from tagps import _core
 from tagps.config import PSConfig, ps_config
+from tagps.ps.node import SchedulerLink
+from tagps.ps.protocol import Op, routing_id, unpack_header, worker_node_id
+from tagps.ps.transport import Security
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,6 +203,56 @@ class PSJob:
         return codes
 
 
+class HandWorker:
+    """Worker 1 of a two-worker job, registered by hand; its data socket sends whatever the test builds."""
+
+    def __init__(self, job: PSJob) -> None:
+        self.context = zmq.Context()
+        self.link = SchedulerLink(
+            self.context, Security(self.context, None), job.client_config(1), "worker", "127.0.0.1", 0
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._control, daemon=True)
+        self._thread.start()
+
+    def _control(self) -> None:
+        self.link.register()
+        while not self._stop.is_set():
+            self.link.beat()
+            if self.link.socket.poll(50):
+                self.link.receive()
+
+    def connect(self, host: str, port: int) -> None:
+        self.data = self.context.socket(zmq.DEALER)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.ROUTING_ID, routing_id(worker_node_id(1)))
+        self.data.connect(f"tcp://{host}:{port}")
+
+    def answer(self, frames: list[bytes]) -> list[bytes]:
+        """Send ``frames`` and return the server's next reply."""
+        self.data.send_multipart(frames)
+        assert self.data.poll(10_000), "the server did not answer"
+        return self.data.recv_multipart()
+
+    def refused(self, frames: list[bytes]) -> str:
+        """Send ``frames`` and return the reason of the ERROR that must answer them (a PUSH_ACK before it
+        is skipped: a server returns a push's credit before its engine looks at the round)."""
+        reply = self.answer(frames)
+        if unpack_header(reply[0]).op == Op.PUSH_ACK:
+            assert self.data.poll(10_000), "the server did not answer after PUSH_ACK"
+            reply = self.data.recv_multipart()
+        assert unpack_header(reply[0]).op == Op.ERROR
+        return reply[1].decode()
+
+    def finish(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.link.finalize()
+        self.data.close()
+        self.link.close()
+        self.context.term()
+
+
 @pytest.fixture(params=ENGINES)
 def ps_engine(request: pytest.FixtureRequest) -> str:
     """A data-plane engine (``TAGPS_PS_ENGINE``); ``cpp`` is skipped when ``tagps._core`` lacks it."""
@@ -218,3 +273,9 @@ def ps_job(ps_engine: str) -> Callable[..., PSJob]:
     """:class:`PSJob` with ``ps_engine`` (use it as a context manager so every process is reaped)."""
     server_engine = os.environ.get("TAGPS_TEST_SERVER_ENGINE") or None
     return partial(PSJob, engine=ps_engine, server_engine=server_engine)
+
+
+@pytest.fixture
+def hand_worker() -> type[HandWorker]:
+    """The :class:`HandWorker` class: worker 1 of a two-worker job whose data frames a test writes itself."""
+    return HandWorker

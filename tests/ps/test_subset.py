@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
-import zmq
 
 from tagps.ps import PSClient
-from tagps.ps.node import SchedulerLink
 from tagps.ps.protocol import (
     FLAG_WORKERS,
     DType,
@@ -18,12 +15,9 @@ from tagps.ps.protocol import (
     ProtocolError,
     pack_header,
     pack_workers,
-    routing_id,
-    unpack_header,
     unpack_workers,
     worker_node_id,
 )
-from tagps.ps.transport import Security
 
 PREAMBLE = """
 import json, os, sys
@@ -108,52 +102,10 @@ def test_client_checks_the_worker_set(ps_job) -> None:
             np.testing.assert_array_equal(buf, [3.0, 4.0])
 
 
-class _HandWorker:
-    """Worker 1 of a two-worker job, registered by hand; its data socket sends whatever the test builds."""
-
-    def __init__(self, job) -> None:  # type: ignore[no-untyped-def]
-        self.context = zmq.Context()
-        self.link = SchedulerLink(
-            self.context, Security(self.context, None), job.client_config(1), "worker", "127.0.0.1", 0
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._control, daemon=True)
-        self._thread.start()
-
-    def _control(self) -> None:
-        self.link.register()
-        while not self._stop.is_set():
-            self.link.beat()
-            if self.link.socket.poll(50):
-                self.link.receive()
-
-    def connect(self, host: str, port: int) -> None:
-        self.data = self.context.socket(zmq.DEALER)
-        self.data.setsockopt(zmq.LINGER, 0)
-        self.data.setsockopt(zmq.ROUTING_ID, routing_id(worker_node_id(1)))
-        self.data.connect(f"tcp://{host}:{port}")
-
-    def refused(self, frames: list[bytes]) -> str:
-        """Send ``frames`` and return the reason of the ERROR that must answer them."""
-        self.data.send_multipart(frames)
-        assert self.data.poll(10_000), "the server did not answer"
-        reply = self.data.recv_multipart()
-        assert unpack_header(reply[0]).op == Op.ERROR
-        return reply[1].decode()
-
-    def finish(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.link.finalize()
-        self.data.close()
-        self.link.close()
-        self.context.term()
-
-
 @pytest.mark.timeout(60)
-def test_server_refuses_outsiders_and_disagreeing_worker_sets(ps_job) -> None:
+def test_server_refuses_outsiders_and_disagreeing_worker_sets(ps_job, hand_worker) -> None:
     with ps_job(num_workers=2, num_servers=1) as job:
-        hand = _HandWorker(job)
+        hand = hand_worker(job)
         client = PSClient(job.client_config(0))
         try:
             client.declare("x", 1200, np.float32, workers=[0])
