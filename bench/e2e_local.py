@@ -15,7 +15,10 @@ Two layouts of the same 2 processes, each job with one summation server:
   --local-size 2 --servers 1``), which is how BytePS runs two devices of one machine: ``ps`` sums inside
   the machine through shared memory; with one machine that sum is already global, so the server idles.
 - ``2x1`` (suffix ``_2x1``): two machines of one rank each (``bpslaunch --local 2 --servers 1``): ``ps``
-  pushes each process's gradient to the server over loopback.
+  pushes each process's gradient to the server, which runs on the same host, so through shared memory
+  (``TAGPS_PS_IPC``, BytePS's IPC mode; only headers cross the socket).
+- ``2x1_tcp`` (suffix ``_2x1_tcp``): the same with ``TAGPS_PS_IPC=0``: the gradients go over loopback TCP,
+  as between two real machines.
 
 ``allreduce``, SFB's all-gathers and DDP use gloo over loopback TCP in both layouts. Horovod over gloo
 runs when ``horovod.torch`` imports (``make bench-deps`` builds it; else it is skipped, with the reason in
@@ -30,7 +33,7 @@ the raw ``measurements`` (samples/s of both workers together, and every step tim
 - vgg_ps_vs_ddp: VGG19 samples/s with tagps ps / with DDP.
 - vgg_best_vs_ddp: VGG19, the best tagps method / DDP (target >= 1.2).
 - resnet_best_vs_ddp: ResNet-101, the best tagps method / DDP.
-- the same three with ``_2x1``.
+- the same three with ``_2x1`` and ``_2x1_tcp``.
 - vgg_best_vs_horovod and resnet_best_vs_horovod: the example script with the best tagps method /
   with Horovod; vgg_horovod_vs_ddp and resnet_horovod_vs_ddp: with Horovod / with DDP.
 """
@@ -63,7 +66,10 @@ JOB_ENV = {"TAGPS_NUM_THREADS": "1"}
 LAYOUTS = {
     "1x2": ["--local", "1", "--local-size", "2", "--servers", "1"],
     "2x1": ["--local", "2", "--local-size", "1", "--servers", "1"],
+    "2x1_tcp": ["--local", "2", "--local-size", "1", "--servers", "1"],
 }
+# What a layout changes in the job's environment beyond JOB_ENV.
+LAYOUT_ENV = {"2x1_tcp": {"TAGPS_PS_IPC": "0"}}
 
 
 def machine() -> dict[str, object]:
@@ -73,8 +79,8 @@ def machine() -> dict[str, object]:
     )
 
 
-def run(cmd: list[str], timeout: float) -> None:
-    env = {**os.environ, **JOB_ENV}
+def run(cmd: list[str], timeout: float, extra_env: dict[str, str] | None = None) -> None:
+    env = {**os.environ, **JOB_ENV, **(extra_env or {})}
     proc = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -92,7 +98,7 @@ def interleaved(
         sys.executable, str(WORKER), "--model", model, "--methods", ",".join(("ddp", *TAGPS_METHODS)),
         "--batch-size", str(BATCH), "--warmup", str(warmup), "--steps", str(steps), "--out", str(out),
     ]  # fmt: skip
-    run(cmd, timeout=1800)
+    run(cmd, timeout=1800, extra_env=LAYOUT_ENV.get(layout))
     return cmd, json.loads(out.read_text())["step_s"]
 
 
@@ -151,7 +157,8 @@ def main() -> None:
                 key = f"{layout}/{short}"
                 out = Path(tmp) / f"{layout}-{short}.json"
                 cmd, times = interleaved(layout, model, warmup, steps, out)
-                commands[key] = shlex.join(cmd).replace(str(out), "OUT.json")
+                prefix = "".join(f"{k}={v} " for k, v in LAYOUT_ENV.get(layout, {}).items())
+                commands[key] = prefix + shlex.join(cmd).replace(str(out), "OUT.json")
                 step_times[key] = times
                 samples[key] = {m: WORKERS * BATCH / statistics.median(t) for m, t in times.items()}
                 for m, v in samples[key].items():
@@ -179,6 +186,7 @@ def main() -> None:
         "commands": commands,
         "setup": {"workers": WORKERS, "batch_per_worker": BATCH, "image_size": 32, "torch_threads": 1,
                   "layouts": {k: shlex.join(v) for k, v in LAYOUTS.items()}, "job_env": JOB_ENV,
+                  "layout_env": LAYOUT_ENV,
                   "warmup_steps": warmup, "timed_steps": steps, "score": "median step time"},
         "measurements": {"samples_per_s": samples, "best_tagps_method": best, "step_s": step_times},
         "figures": figs,

@@ -15,7 +15,12 @@ Two set-ups, each compared within the same run:
   ``pushpull_vs_gloo_64MiB_2w`` is the gloo all_reduce time of the same 64 MiB between the same 2 workers
   divided by the push_pull time (no target: on one loopback PS moves more bytes than a ring).
   ``pushpull_vs_gloo_64MiB_2w2s`` is the same with 2 servers (``--servers 2``), where each worker's
-  bytes equal a ring's and theory says PS equals the ring (target 0.9).
+  bytes equal a ring's and theory says PS equals the ring (target 0.9). These jobs take the network path
+  (``TAGPS_PS_IPC=0``). The same two jobs again with shared memory between the workers and the servers
+  on this host (``TAGPS_PS_IPC=1``, the default for co-located nodes; docs/protocol.md):
+  ``pushpull_ipc_vs_gloo_64MiB_2w`` and ``pushpull_ipc_vs_gloo_64MiB_2w2s`` (gloo all_reduce time ÷
+  push_pull time), and ``pushpull_ipc_vs_tcp_64MiB_2w`` (1 server, TCP time ÷ shared-memory time). A job
+  whose servers count shared pushes when they should not, or none when they should, fails the run.
 * **Emulated links** (where the BytePS argument holds; needs root): every one of 4 workers, 4 servers and
   the scheduler in its own network namespace, each link limited to 1 Gbit/s with ``tc`` (tagps.cluster).
   64 MiB: ``pushpull_vs_allreduce_4w_4s_1gbit`` = gloo all_reduce time among the 4 workers ÷ push_pull time
@@ -71,6 +76,9 @@ TARGETS = {
     "pushpull_loopback_efficiency": 0.85,
     "pushpull_vs_gloo_64MiB_2w": None,
     "pushpull_vs_gloo_64MiB_2w2s": 0.9,
+    "pushpull_ipc_vs_gloo_64MiB_2w": None,
+    "pushpull_ipc_vs_gloo_64MiB_2w2s": None,
+    "pushpull_ipc_vs_tcp_64MiB_2w": None,
     "pushpull_vs_allreduce_4w_4s_1gbit": 1.3,
     "pushpull_vs_optimal_4w_4s_1gbit": 0.92,
     "server_sum_GBps": None,
@@ -152,17 +160,25 @@ class Bench:
         # pyzmq is measured right before and after the PS job, so both see the same machine load.
         rates = self.zmq_loopback()
         times = {}
-        # "ps2s": two servers, where a PS moves as many bytes per worker as a ring all-reduce does.
-        for label, mode, servers in (("ps", "ps", 1), ("ps2s", "ps", 2), ("gloo", "gloo", 0)):
+        # "ps2s": two servers, where a PS moves as many bytes per worker as a ring all-reduce does. The
+        # network path (TAGPS_PS_IPC=0) first; "-ipc": the same jobs through shared memory, which a worker
+        # and a server on one host use by default.
+        jobs = [("ps", "ps", 1, "0"), ("ps2s", "ps", 2, "0"), ("gloo", "gloo", 0, "0")]
+        jobs += [("ps-ipc", "ps", 1, "1"), ("ps2s-ipc", "ps", 2, "1")]
+        for label, mode, servers, ipc in jobs:
             argv = self.worker_argv(mode, f"{tmp}/loop-{label}", SIZES, iters)
-            env = {**self.env, "GLOO_SOCKET_IFNAME": "lo"}
+            env = {**self.env, "GLOO_SOCKET_IFNAME": "lo", "TAGPS_PS_IPC": ipc}
             self.record(
                 ["bpslaunch", "--local", "2", "--servers", str(servers), "--", *argv],
-                {"GLOO_SOCKET_IFNAME": "lo"},
+                {"GLOO_SOCKET_IFNAME": "lo", "TAGPS_PS_IPC": ipc},
             )
             times[label] = self.job(local_job(argv, 2, servers, 1, env), f"{tmp}/loop-{label}", 2)
             if label == "ps":
                 rates += self.zmq_loopback()
+            if mode == "ps":
+                shared = sum(s["ipc_pushes"] for s in self.measurements["server_stats"][f"loop-{label}"])
+                if (ipc == "1") != (shared > 0):
+                    raise RuntimeError(f"job {label} with TAGPS_PS_IPC={ipc} pushed {shared} chunks shared")
         rate = statistics.median(rates)
         bounds = {size: 2 * 2 * size / rate for size in SIZES}
         self.measurements["loopback"] = {
@@ -170,6 +186,8 @@ class Bench:
             "zmq_loopback_runs_GBps": [r / 1e9 for r in rates],
             "pushpull_s": {str(s): times["ps"][s] for s in SIZES},
             "pushpull_2_servers_s": {str(s): times["ps2s"][s] for s in SIZES},
+            "pushpull_ipc_s": {str(s): times["ps-ipc"][s] for s in SIZES},
+            "pushpull_ipc_2_servers_s": {str(s): times["ps2s-ipc"][s] for s in SIZES},
             "gloo_allreduce_s": {str(s): times["gloo"][s] for s in SIZES},
             "pushpull_bound_s": {str(s): bounds[s] for s in SIZES},
             "efficiency": {str(s): bounds[s] / times["ps"][s] for s in SIZES},
@@ -179,10 +197,14 @@ class Bench:
                 for s in SIZES
             },
         }
+        big = 64 * MiB
         return {
             "pushpull_loopback_efficiency": min(bounds[s] / times["ps"][s] for s in SIZES),
-            "pushpull_vs_gloo_64MiB_2w": times["gloo"][64 * MiB] / times["ps"][64 * MiB],
-            "pushpull_vs_gloo_64MiB_2w2s": times["gloo"][64 * MiB] / times["ps2s"][64 * MiB],
+            "pushpull_vs_gloo_64MiB_2w": times["gloo"][big] / times["ps"][big],
+            "pushpull_vs_gloo_64MiB_2w2s": times["gloo"][big] / times["ps2s"][big],
+            "pushpull_ipc_vs_gloo_64MiB_2w": times["gloo"][big] / times["ps-ipc"][big],
+            "pushpull_ipc_vs_gloo_64MiB_2w2s": times["gloo"][big] / times["ps2s-ipc"][big],
+            "pushpull_ipc_vs_tcp_64MiB_2w": times["ps"][big] / times["ps-ipc"][big],
         }
 
     def emulated(self, tmp: str) -> dict[str, float]:
