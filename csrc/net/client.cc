@@ -345,7 +345,7 @@ void ClientEngine::send_inits(const std::shared_ptr<Declaration>& declaration) {
         frames.emplace_back(workers);
       }
       std::string descriptor;
-      if (chunk.region != nullptr) {
+      if (chunk.segment != nullptr) {
         flags |= kFlagIpc;
         descriptor = pack_ipc(chunk.segment->describe(chunk.region_offset));
         frames.emplace_back(descriptor);
@@ -381,10 +381,7 @@ void ClientEngine::share_chunks(const std::vector<TensorSpec>& tensors) {
       if (ipc_error_.empty()) ipc_error_ = e.what();
       continue;
     }
-    for (Chunk* chunk : chunks) {
-      chunk->segment = segments_.back().get();
-      chunk->region = chunk->segment->at(chunk->region_offset);
-    }
+    for (Chunk* chunk : chunks) chunk->segment = segments_.back().get();
   }
 }
 
@@ -423,7 +420,7 @@ void ClientEngine::pump() {
     const uint8_t flags = next.op->average ? kFlagAverage : 0;
     if (chunk.ipc) {
       // The server reads the bytes from the shared region; until this chunk's PULL_REPLY it owns them.
-      std::memcpy(chunk.region, next.op->data + c.offset, c.nbytes);
+      std::memcpy(chunk.region(), next.op->data + c.offset, c.nbytes);
       const HeaderBytes push = pack_header(Op::kPush, options_.node_id, c.key, chunk.round, 0, tensor.dtype,
                                            flags | kFlagIpc);
       send(c.server, push.data(), push.size(), 0);
@@ -498,7 +495,7 @@ void ClientEngine::on_pull_reply(const Header& h, Message& m) {
       (!shared && m.frames[1].size() != chunk.spec.nbytes)) {
     throw Failure(detail::concat("malformed PULL_REPLY for key ", h.key, " round ", h.round));
   }
-  std::memcpy(op->data + chunk.spec.offset, shared ? chunk.region : m.frames[1].data(), chunk.spec.nbytes);
+  std::memcpy(op->data + chunk.spec.offset, shared ? chunk.region() : m.frames[1].data(), chunk.spec.nbytes);
   ++chunk.round;
   if (--op->remaining == 0) finish_op(*op);
 }
@@ -515,7 +512,7 @@ void ClientEngine::on_init_ack(const Header& h) {
   Chunk& chunk = tensors_.at(index).chunks[slot];
   chunk.round = h.round;  // non-zero after a server restored a checkpoint
   if (h.flags & kFlagIpc) {
-    if (chunk.region == nullptr) {
+    if (chunk.segment == nullptr) {
       throw Failure(detail::concat("INIT_ACK with FLAG_IPC for key ", h.key, ", which was not offered shared memory"));
     }
     chunk.ipc = true;

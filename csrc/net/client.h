@@ -121,9 +121,9 @@ class ClientEngine {
     ChunkSpec spec;
     uint64_t round = 0;
     const SharedSegment* segment = nullptr;  // offered to a co-located server: its bytes live there,
-    size_t region_offset = 0;                 // at this offset,
-    char* region = nullptr;                   // at this address
-    bool ipc = false;        // the server took the offer: PUSH and PULL_REPLY carry no payload
+    size_t region_offset = 0;                 // at this offset
+    bool ipc = false;  // the server took the offer: PUSH and PULL_REPLY carry no payload
+    char* region() const { return segment->at(region_offset); }
   };
   struct Tensor {
     uint8_t dtype = 0;

@@ -193,8 +193,9 @@ counts, value (uint8 array or None) and buffers ({name: uint8 array}).)pbdoc")
             out["sum_cpu_seconds"] = s.sum_cpu_seconds;
             return out;
           },
-          R"pbdoc(Counters since start: rounds, messages, ipc_pushes (through shared memory), and the summation's sum_calls, sum_bytes (every
-push folded into a sum), sum_seconds (wall) and sum_cpu_seconds (the engine threads' CPU time).)pbdoc");
+          R"pbdoc(Counters since start: rounds, messages, ipc_pushes (through shared memory), and the
+summation's sum_calls, sum_bytes (every push folded into a sum), sum_seconds (wall) and sum_cpu_seconds
+(the engine threads' CPU time).)pbdoc");
 
   m.def(
       "wire_pack_header",
