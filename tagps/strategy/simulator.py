@@ -101,7 +101,14 @@ def allgather_time(
     return (n - 1) * (max(nbytes / (n * bandwidth), step_cpu * count) + latency * count)
 
 
-_HOST_CPU_COSTS = ("copy_s_per_byte", "sum_s_per_byte", "message_s", "collective_step_s", "collective_call_s")
+_HOST_CPU_COSTS = (
+    "copy_s_per_byte",
+    "sum_s_per_byte",
+    "message_s",
+    "collective_step_s",
+    "collective_call_s",
+    "shm_copy_s_per_byte",
+)
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,9 @@ class HostCpu:
         collective_call_s: per collective call (one tensor, or one fused bucket): launching it and waiting
             for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
             call whatever the ring's size; at the slowest member's share like ``collective_step_s``.
+        shm_copy_s_per_byte: per byte copied into or out of the shared-memory region a worker shares with
+            a server on its own machine (``TAGPS_PS_IPC``: one memory pass instead of a message's socket
+            copies). 0: such a push is costed as a message like any other.
     """
 
     core_flops: float
@@ -135,6 +145,7 @@ class HostCpu:
     message_s: float = 0.0
     collective_step_s: float = 0.0
     collective_call_s: float = 0.0
+    shm_copy_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.core_flops < float("inf"):
@@ -1153,6 +1164,11 @@ class Simulator:
             t_s = \\frac{k S (2 c_{copy} + c_{sum}) + 2 k P c_{msg}}{q_s}, \\quad
             t_w = \\frac{S (2 c_{copy} + (m_w - 1) c_{sum}) + 2 P c_{msg}}{q_w}
 
+        A member on the server's own machine shares memory with it when :attr:`HostCpu.shm_copy_s_per_byte`
+        is set (the runtime's default): its push is one copy into the region and its pull one copy out
+        (``2 c_{shm}`` instead of ``2 c_{copy}``), and the server sums straight from the region and copies
+        the result back into it (``c_{shm} + c_{sum}``); the headers still go as messages.
+
         Returns:
             The server's seconds (0 on a machine that is not costed) and ``(device group, seconds)`` for
             every costed machine involved, server first.
@@ -1160,15 +1176,19 @@ class Simulator:
         host, cores = self.host_cpu, self._cpu_cores
         assert host is not None  # internal: only called with host_cpu set
         copy, summ, msg = host.copy_s_per_byte, host.sum_s_per_byte, host.message_s
+        shm = host.shm_copy_s_per_byte
+        shared = {w: bool(shm) and w == server for w in members}
         k = len(members)
         server_s = 0.0
         busy: list[tuple[int, float]] = []
         if cores[server]:
-            server_s = (k * nbytes * (2 * copy + summ) + 2 * k * partitions * msg) / cores[server]
+            received = sum((shm if shared[w] else 2 * copy) + summ for w in members)
+            server_s = (nbytes * received + 2 * k * partitions * msg) / cores[server]
             busy.append((server, server_s))
         for w, m in members.items():
             if cores[w]:
-                busy.append((w, (nbytes * (2 * copy + (m - 1) * summ) + 2 * partitions * msg) / cores[w]))
+                side = shm if shared[w] else copy
+                busy.append((w, (nbytes * (2 * side + (m - 1) * summ) + 2 * partitions * msg) / cores[w]))
         return server_s, busy
 
     def _mp_parts(self, group: int, k: int) -> tuple[list[tuple[int, ...]], dict[int, int]]:

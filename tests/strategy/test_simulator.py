@@ -437,6 +437,21 @@ def test_ps_through_a_colocated_server_takes_cpu_from_a_quotad_machine():
     assert extra[0.25] > 3 * extra[1.0]  # a quarter of a core: about four times the CPU seconds
 
 
+def test_a_push_to_a_server_on_its_own_machine_costs_shared_memory_copies_not_messages():
+    base = sim_for("vgg-mini", cpu_cluster(0.5))
+    plan = BASELINES["byteps-like"](base, 16)  # a server on each machine: one member local, one remote
+    shm = 1 / 17e9
+    cpu = {}
+    for name, host in (("tcp", HOST), ("shm", dataclasses.replace(HOST, shm_copy_s_per_byte=shm))):
+        result = Simulator(base.graph, base.grouping, base.topology, host_cpu=host).evaluate(plan, trace=True)
+        cpu[name] = sum(t.end - t.start for t in result.tasks if t.category == "ps-cpu")
+    # Per server of S bytes, its local member saves 2 (c_copy - c_shm) and the server c_copy + c_copy -
+    # c_shm; the remote member's push costs what it did. Both machines run at half a core.
+    nbytes = sum(base.graph.params.values())
+    saved = nbytes * (4 * HOST.copy_s_per_byte - 3 * shm) / 0.5
+    assert cpu["tcp"] - cpu["shm"] == pytest.approx(saved, rel=1e-9)
+
+
 def test_host_cpu_costs_at_zero_give_the_old_results_exactly():
     zero = HostCpu(160e9)
     assert not zero.costed
@@ -460,7 +475,7 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
     cal = Calibration(160e9, 17e9, 0.5, 0.5, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
     measured = dataclasses.replace(cal, message_copies=2.0, sum_bandwidth=37e9, message_overhead_s=10e-6)
     assert cal.host_cpu() is None
-    assert measured.host_cpu() == HostCpu(160e9, 2 / 17e9, 1 / 37e9, 10e-6)
+    assert measured.host_cpu() == HostCpu(160e9, 2 / 17e9, 1 / 37e9, 10e-6, shm_copy_s_per_byte=1 / 17e9)
     assert set(HOST_CPU) == {
         "message_copies",
         "sum_bandwidth",
