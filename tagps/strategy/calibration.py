@@ -34,7 +34,8 @@ comes from five host-CPU constants, each with a meaning and a physical range too
 runtimes add, fitted on whole jobs (:func:`fit_runs`): the ZeroMQ I/O thread's ``message_overhead_s`` per
 4 MB partition, ``collective_step_s``, the CPU of one ring step of a collective on each rank, and
 ``collective_call_s``, the CPU of launching one collective call (once per call, whatever the ring's size).
-A push to a server on the worker's own machine goes through shared memory, one copy at ``memory_bandwidth``.
+A push to a server on the worker's own machine goes through shared memory: one copy, each byte read and
+written at ``memory_bandwidth`` (which counts both).
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ class Calibration:
         """The CPU that communication takes, from the host-CPU constants (None: none is costed).
 
         A worker's push to a server on its own machine goes through shared memory (the runtime's default,
-        ``TAGPS_PS_IPC``): one copy at ``memory_bandwidth`` each way.
+        ``TAGPS_PS_IPC``): one copy each way, each byte read and written at ``memory_bandwidth``.
         """
         if not any(getattr(self, name) for name in HOST_CPU):
             return None
@@ -291,7 +292,7 @@ class Calibration:
             message_s=self.message_overhead_s,
             collective_step_s=self.collective_step_s,
             collective_call_s=self.collective_call_s,
-            shm_copy_s_per_byte=1 / self.memory_bandwidth,
+            shm_copy_s_per_byte=2 / self.memory_bandwidth,
         )
 
     def simulator(self, graph: Graph, grouping: Grouping, topology: Topology, seed: int = 0) -> Simulator:

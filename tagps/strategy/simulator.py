@@ -135,7 +135,7 @@ class HostCpu:
             for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
             call whatever the ring's size; at the slowest member's share like ``collective_step_s``.
         shm_copy_s_per_byte: per byte copied into or out of the shared-memory region a worker shares with
-            a server on its own machine (``TAGPS_PS_IPC``: one memory pass instead of a message's socket
+            a server on its own machine (``TAGPS_PS_IPC``: one memcpy instead of a message's socket
             copies). 0: such a push is costed as a message like any other.
     """
 

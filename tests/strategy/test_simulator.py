@@ -475,7 +475,7 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
     cal = Calibration(160e9, 17e9, 0.5, 0.5, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
     measured = dataclasses.replace(cal, message_copies=2.0, sum_bandwidth=37e9, message_overhead_s=10e-6)
     assert cal.host_cpu() is None
-    assert measured.host_cpu() == HostCpu(160e9, 2 / 17e9, 1 / 37e9, 10e-6, shm_copy_s_per_byte=1 / 17e9)
+    assert measured.host_cpu() == HostCpu(160e9, 2 / 17e9, 1 / 37e9, 10e-6, shm_copy_s_per_byte=2 / 17e9)
     assert set(HOST_CPU) == {
         "message_copies",
         "sum_bandwidth",
