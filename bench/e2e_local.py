@@ -14,11 +14,12 @@ Two layouts of the same 2 processes, each job with one summation server:
 - ``1x2`` (the figures without suffix): one machine with 2 local ranks (``bpslaunch --local 1
   --local-size 2 --servers 1``), which is how BytePS runs two devices of one machine: ``ps`` sums inside
   the machine through shared memory; with one machine that sum is already global, so the server idles.
-- ``2x1`` (suffix ``_2x1``): two machines of one rank each (``bpslaunch --local 2 --servers 1``): ``ps``
-  pushes each process's gradient to the server, which runs on the same host, so through shared memory
-  (``TAGPS_PS_IPC``, BytePS's IPC mode; only headers cross the socket).
-- ``2x1_tcp`` (suffix ``_2x1_tcp``): the same with ``TAGPS_PS_IPC=0``: the gradients go over loopback TCP,
-  as between two real machines.
+- ``2x1`` (suffix ``_2x1``): two machines of one rank each (``bpslaunch --local 2 --servers 1``, machine
+  ``w`` on 127.0.0.<w+1>, the server on machine 0): ``ps`` pushes each process's gradient to the server,
+  as between two real machines: machine 0's worker through shared memory (``TAGPS_PS_IPC``, BytePS's IPC
+  mode; only headers cross the socket), machine 1's over loopback TCP.
+- ``2x1_tcp`` (suffix ``_2x1_tcp``): the same with ``TAGPS_PS_IPC=0``: both workers' gradients go over
+  loopback TCP.
 
 ``allreduce``, SFB's all-gathers and DDP use gloo over loopback TCP in both layouts. Horovod over gloo
 runs when ``horovod.torch`` imports (``make bench-deps`` builds it; else it is skipped, with the reason in

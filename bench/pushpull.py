@@ -6,21 +6,22 @@ PS jobs' servers and workers; the JSON records it.
 
 Two set-ups, each compared within the same run:
 
-* **Loopback** (engine efficiency): 2 worker machines and 1 server on 127.0.0.1 (``bpslaunch --local 2
-  --servers 1``), float32 tensors of 4 and 64 MiB, the default partition size. The raw pyzmq loopback
-  throughput ``T`` is that of one PUSH to one PULL socket, 4 MiB messages, between two processes (median of
-  3 runs before and 3 after the PS job). The server must receive every worker's tensor and send the sum
-  back to each, ``2 W M`` bytes through its sockets, so ``t_min = 2 W M / T`` bounds the push_pull time
-  from below, and ``pushpull_loopback_efficiency = min over sizes of t_min / t``.
+* **Loopback** (engine efficiency): 2 worker machines and 1 server on this host (``bpslaunch --local 2
+  --servers 1``: machine ``w`` on 127.0.0.<w+1>, the server on machine 0), float32 tensors of 4 and
+  64 MiB, the default partition size. The raw pyzmq loopback throughput ``T`` is that of one PUSH to one
+  PULL socket, 4 MiB messages, between two processes (median of 3 runs before and 3 after the PS job).
+  Over TCP (``TAGPS_PS_IPC=0``) the server must receive every worker's tensor and send the sum back to
+  each, ``2 W M`` bytes through its sockets, so ``t_min = 2 W M / T`` bounds the push_pull time from
+  below, and ``pushpull_loopback_efficiency = min over sizes of t_min / t``.
   ``pushpull_vs_gloo_64MiB_2w`` is the gloo all_reduce time of the same 64 MiB between the same 2 workers
-  divided by the push_pull time (no target: on one loopback PS moves more bytes than a ring).
-  ``pushpull_vs_gloo_64MiB_2w2s`` is the same with 2 servers (``--servers 2``), where each worker's
-  bytes equal a ring's and theory says PS equals the ring (target 0.9). These jobs take the network path
-  (``TAGPS_PS_IPC=0``). The same two jobs again with shared memory between the workers and the servers
-  on this host (``TAGPS_PS_IPC=1``, the default for co-located nodes; docs/protocol.md):
-  ``pushpull_ipc_vs_gloo_64MiB_2w`` and ``pushpull_ipc_vs_gloo_64MiB_2w2s`` (gloo all_reduce time ÷
-  push_pull time), and ``pushpull_ipc_vs_tcp_64MiB_2w`` (1 server, TCP time ÷ shared-memory time). A job
-  whose servers count shared pushes when they should not, or none when they should, fails the run.
+  divided by the push_pull time, in the default set-up: the worker on the server's machine shares memory
+  with it (``TAGPS_PS_IPC=1``; docs/protocol.md), the other goes over TCP. ``pushpull_vs_gloo_64MiB_2w2s``
+  is the same with 2 servers (``--servers 2``), one on each machine: each worker sends half its tensor
+  over TCP and shares the other half with its own machine's server, the bytes of a ring, where theory
+  says PS equals the ring (target 0.9). ``pushpull_tcp_vs_gloo_64MiB_2w`` and ``_2w2s`` are the same
+  jobs with every byte over TCP (``TAGPS_PS_IPC=0``), and ``pushpull_ipc_vs_tcp_64MiB_2w2s`` the 2-server
+  TCP time over the default one. A job whose servers count shared pushes when they should not, or none
+  when they should, fails the run.
 * **Emulated links** (where the BytePS argument holds; needs root): every one of 4 workers, 4 servers and
   the scheduler in its own network namespace, each link limited to 1 Gbit/s with ``tc`` (tagps.cluster).
   64 MiB: ``pushpull_vs_allreduce_4w_4s_1gbit`` = gloo all_reduce time among the 4 workers ÷ push_pull time
@@ -28,9 +29,10 @@ Two set-ups, each compared within the same run:
   ``B`` is the tc rate, which counts packet headers too, so goodput tops out near 0.95 ``B`` at 1500 MTU.
 
 ``server_sum_GBps``: the summation rate inside the server engine, measured by the server of the loopback
-job itself (``python -m tagps.server --stats``): gradient bytes folded into sums (both workers' pushes of
-every round) per second of the engine threads' CPU time inside the summation kernels (the wall-clock rate,
-which also counts the moments the OS ran another of the job's threads, is in the measurements).
+job over TCP (1 server) itself (``python -m tagps.server --stats``): gradient bytes folded into sums (both
+workers' pushes of every round) per second of the engine threads' CPU time inside the summation kernels
+(the wall-clock rate, which also counts the moments the OS ran another of the job's threads, is in the
+measurements).
 ``sum_into_GBps``: the same work with ``tagps.kernels.sum_into`` alone, right after the job in this
 process, one thread like a server's engine: 2 sources of 64 MiB, summed partition by partition
 (``BYTEPS_PARTITION_BYTES``) into the first, bytes counted the same way. ``server_sum_vs_sum_into`` is their
@@ -76,9 +78,9 @@ TARGETS = {
     "pushpull_loopback_efficiency": 0.85,
     "pushpull_vs_gloo_64MiB_2w": None,
     "pushpull_vs_gloo_64MiB_2w2s": 0.9,
-    "pushpull_ipc_vs_gloo_64MiB_2w": None,
-    "pushpull_ipc_vs_gloo_64MiB_2w2s": None,
-    "pushpull_ipc_vs_tcp_64MiB_2w": None,
+    "pushpull_tcp_vs_gloo_64MiB_2w": None,
+    "pushpull_tcp_vs_gloo_64MiB_2w2s": None,
+    "pushpull_ipc_vs_tcp_64MiB_2w2s": None,
     "pushpull_vs_allreduce_4w_4s_1gbit": 1.3,
     "pushpull_vs_optimal_4w_4s_1gbit": 0.92,
     "server_sum_GBps": None,
@@ -160,9 +162,8 @@ class Bench:
         # pyzmq is measured right before and after the PS job, so both see the same machine load.
         rates = self.zmq_loopback()
         times = {}
-        # "ps2s": two servers, where a PS moves as many bytes per worker as a ring all-reduce does. The
-        # network path (TAGPS_PS_IPC=0) first; "-ipc": the same jobs through shared memory, which a worker
-        # and a server on one host use by default.
+        # "ps2s": two servers, one per machine. The network path (TAGPS_PS_IPC=0) first; "-ipc": the same
+        # jobs as they run by default, where each worker shares memory with its own machine's server.
         jobs = [("ps", "ps", 1, "0"), ("ps2s", "ps", 2, "0"), ("gloo", "gloo", 0, "0")]
         jobs += [("ps-ipc", "ps", 1, "1"), ("ps2s-ipc", "ps", 2, "1")]
         for label, mode, servers, ipc in jobs:
@@ -200,11 +201,11 @@ class Bench:
         big = 64 * MiB
         return {
             "pushpull_loopback_efficiency": min(bounds[s] / times["ps"][s] for s in SIZES),
-            "pushpull_vs_gloo_64MiB_2w": times["gloo"][big] / times["ps"][big],
-            "pushpull_vs_gloo_64MiB_2w2s": times["gloo"][big] / times["ps2s"][big],
-            "pushpull_ipc_vs_gloo_64MiB_2w": times["gloo"][big] / times["ps-ipc"][big],
-            "pushpull_ipc_vs_gloo_64MiB_2w2s": times["gloo"][big] / times["ps2s-ipc"][big],
-            "pushpull_ipc_vs_tcp_64MiB_2w": times["ps"][big] / times["ps-ipc"][big],
+            "pushpull_vs_gloo_64MiB_2w": times["gloo"][big] / times["ps-ipc"][big],
+            "pushpull_vs_gloo_64MiB_2w2s": times["gloo"][big] / times["ps2s-ipc"][big],
+            "pushpull_tcp_vs_gloo_64MiB_2w": times["gloo"][big] / times["ps"][big],
+            "pushpull_tcp_vs_gloo_64MiB_2w2s": times["gloo"][big] / times["ps2s"][big],
+            "pushpull_ipc_vs_tcp_64MiB_2w2s": times["ps2s"][big] / times["ps2s-ipc"][big],
         }
 
     def emulated(self, tmp: str) -> dict[str, float]:

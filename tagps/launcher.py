@@ -8,7 +8,10 @@ Two ways to use it:
   ``python -m tagps.server`` and a ``scheduler`` ``python -m tagps.scheduler`` (a command given to those two
   roles is ignored, as BytePS does).
 * **Local mode**: ``bpslaunch --local W --servers S [--local-size L] -- CMD`` starts a scheduler, ``S``
-  servers and ``W`` worker machines of ``L`` local ranks each on 127.0.0.1 with free ports.
+  servers and ``W`` worker machines of ``L`` local ranks each on this host with free ports. Each machine
+  has its own loopback address (machine ``w`` on ``127.0.0.<w+1>``, server ``s`` on machine ``s mod W``),
+  so that, as between real machines, a worker shares memory (``TAGPS_PS_IPC``) only with the servers of
+  its own machine.
 
 Either way every child runs in its own process group (its own session), its output is streamed line by
 line with a ``[worker 0.1]`` / ``[server 1]`` / ``[scheduler]`` prefix, the first non-zero exit status ends
@@ -51,6 +54,7 @@ __all__ = [
     "ProcessSpec",
     "free_ports",
     "local_job",
+    "machine_hosts",
     "main",
     "role_job",
     "run_processes",
@@ -371,6 +375,24 @@ def _child_env(base: Mapping[str, str], **layout: object) -> dict[str, str]:
     return env
 
 
+def machine_hosts(num_workers: int, host: str = "127.0.0.1") -> list[str]:
+    """The address of each worker machine of a local job on ``host``.
+
+    On ``127.0.0.1`` machine ``w`` gets ``127.0.0.<w+1>`` (Linux routes all of 127.0.0.0/8 to the loopback
+    device), so that machines are told apart by address as real ones are: a worker then counts only its
+    own machine's servers as co-located (shared memory, ``TAGPS_PS_IPC``). Any other ``host`` is shared
+    by every machine.
+
+    Raises:
+        ValueError: more machines than loopback addresses (254).
+    """
+    if host != "127.0.0.1":
+        return [host] * num_workers
+    if num_workers > 254:
+        raise ValueError(f"--local takes at most 254 machines on 127.0.0.0/8, got {num_workers}")
+    return [f"127.0.0.{w + 1}" for w in range(num_workers)]
+
+
 def local_job(
     command: Sequence[str],
     num_workers: int,
@@ -391,7 +413,8 @@ def local_job(
         num_servers: servers ``S`` (``DMLC_NUM_SERVER``), >= 0.
         local_size: processes per worker machine ``L`` (``BYTEPS_LOCAL_SIZE``), >= 1.
         env: the environment the children inherit (layout variables are replaced).
-        host: address every node binds to.
+        host: the scheduler's address; the machines bind to :func:`machine_hosts` of it, server ``s`` to
+            machine ``s mod W``'s.
 
     Returns:
         The scheduler and servers (``service=True``) followed by the workers, machine-major.
@@ -406,12 +429,12 @@ def local_job(
         if value < least:
             raise ValueError(f"{name} must be >= {least}, got {value}")
     root_port, dist_port = free_ports(2, host)
+    machines = machine_hosts(num_workers, host)
     common = dict(
         DMLC_NUM_WORKER=num_workers,
         DMLC_NUM_SERVER=num_servers,
         DMLC_PS_ROOT_URI=host,
         DMLC_PS_ROOT_PORT=root_port,
-        DMLC_NODE_HOST=host,
     )
     specs = []
     if num_servers:
@@ -419,7 +442,7 @@ def local_job(
             ProcessSpec(
                 "scheduler",
                 _service_argv("scheduler"),
-                _child_env(env, DMLC_ROLE="scheduler", **common),
+                _child_env(env, DMLC_ROLE="scheduler", DMLC_NODE_HOST=host, **common),
                 service=True,
             )
         )
@@ -427,7 +450,7 @@ def local_job(
             ProcessSpec(
                 f"server {s}",
                 _service_argv("server"),
-                _child_env(env, DMLC_ROLE="server", **common),
+                _child_env(env, DMLC_ROLE="server", DMLC_NODE_HOST=machines[s % num_workers], **common),
                 service=True,
             )
             for s in range(num_servers)
@@ -438,6 +461,7 @@ def local_job(
                 env,
                 DMLC_ROLE="worker",
                 DMLC_WORKER_ID=w,
+                DMLC_NODE_HOST=machines[w],
                 BYTEPS_LOCAL_RANK=r,
                 BYTEPS_LOCAL_SIZE=local_size,
                 TAGPS_DIST_PORT=dist_port,
@@ -509,7 +533,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Role mode reads DMLC_ROLE and the other DMLC_*/BYTEPS_* variables (docs/environment.md); "
         "local mode: bpslaunch --local 2 --servers 1 -- python train.py",
     )
-    p.add_argument("--local", type=int, metavar="W", help="run a whole job on 127.0.0.1: W worker machines")
+    p.add_argument(
+        "--local",
+        type=int,
+        metavar="W",
+        help="run a whole job on this host: W worker machines (127.0.0.1, .2, ...)",
+    )
     p.add_argument("--servers", type=int, metavar="S", help="servers in local mode (default 1)")
     p.add_argument(
         "--local-size",

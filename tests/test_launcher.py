@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 
 from tagps.config import ConfigError, launcher_config
-from tagps.launcher import ProcessSpec, free_ports, local_job, role_job, run_processes, share_cores
+from tagps.launcher import (
+    ProcessSpec,
+    free_ports,
+    local_job,
+    machine_hosts,
+    role_job,
+    run_processes,
+    share_cores,
+)
 
 TIMEOUT = 60
 BPSLAUNCH = (sys.executable, "-m", "tagps.launcher")
@@ -193,7 +201,7 @@ def test_local_sets_the_layout_of_every_worker(child: tuple[Path, Path]) -> None
             "DMLC_NUM_SERVER": "0",
             "DMLC_PS_ROOT_URI": "127.0.0.1",
             "DMLC_PS_ROOT_PORT": env["DMLC_PS_ROOT_PORT"],
-            "DMLC_NODE_HOST": "127.0.0.1",
+            "DMLC_NODE_HOST": f"127.0.0.{int(w) + 1}",
             "DMLC_WORKER_ID": w,
             "BYTEPS_LOCAL_RANK": r,
             "BYTEPS_LOCAL_SIZE": "2",
@@ -260,6 +268,22 @@ def test_local_job_describes_scheduler_servers_and_workers() -> None:
     assert specs[1].env["DMLC_NUM_SERVER"] == "3" and specs[1].env["DMLC_NUM_WORKER"] == "2"
     assert specs[-1].env["DMLC_WORKER_ID"] == "1" and specs[-1].env["BYTEPS_LOCAL_RANK"] == "1"
     assert specs[-1].argv == ("train",)
+    # Each machine on its own loopback address, its servers beside it; the scheduler on 127.0.0.1.
+    hosts = {s.label: s.env["DMLC_NODE_HOST"] for s in specs}
+    assert hosts == {
+        "scheduler": "127.0.0.1",
+        "server 0": "127.0.0.1",
+        "server 1": "127.0.0.2",
+        "server 2": "127.0.0.1",
+        "worker 0.0": "127.0.0.1",
+        "worker 0.1": "127.0.0.1",
+        "worker 1.0": "127.0.0.2",
+        "worker 1.1": "127.0.0.2",
+    }
+    assert {s.env["DMLC_PS_ROOT_URI"] for s in specs} == {"127.0.0.1"}
+    assert machine_hosts(2, "10.0.0.5") == ["10.0.0.5", "10.0.0.5"]
+    with pytest.raises(ValueError, match="at most 254 machines"):
+        machine_hosts(255)
 
 
 @pytest.mark.parametrize(

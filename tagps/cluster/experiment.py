@@ -3,7 +3,7 @@
 The pieces the demo (``tagps demo``) and the end-to-end benchmark (``bench/e2e_cluster.py``) share:
 
 - :class:`Executor`: where jobs run, an emulated :class:`~tagps.cluster.run.Cluster` (devices are its
-  worker slots) or local processes on 127.0.0.1 (one device group ``local``), with the measured topology;
+  worker slots) or local processes on this host (one device group ``local``), with the measured topology;
 - :func:`run_plan`: start the plan's job (one :mod:`tagps.cluster.worker` worker per device the plan runs
   on, servers where the plan puts them) and return rank 0's measurements;
 - :func:`ddp_plan`: the plan that models ``DistributedDataParallel`` (even shares, all-reduce overlapped
@@ -55,7 +55,7 @@ class Executor:
 
     Args:
         topology: the measured topology (device groups named like the machines, or ``local``).
-        cluster: the emulated cluster, or ``None`` for local processes on 127.0.0.1.
+        cluster: the emulated cluster, or ``None`` for local processes on this host.
     """
 
     topology: Topology
@@ -65,7 +65,7 @@ class Executor:
     def where(self) -> str:
         """A short description for tables."""
         if self.cluster is None:
-            return f"{self.topology.num_devices} local processes on 127.0.0.1"
+            return f"{self.topology.num_devices} local processes on this host"
         return f"emulated cluster {self.cluster.spec.name!r} ({len(self.cluster.spec.machines)} namespaces)"
 
 

@@ -8,10 +8,13 @@ and any offer the server cannot map. Sums must be exact either way, in any mix.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +24,7 @@ import numpy as np
 import pytest
 
 from tagps import _core
+from tagps.launcher import local_job, run_processes
 from tagps.ps import PSClient
 from tagps.ps.protocol import (
     FLAG_IPC,
@@ -64,9 +68,7 @@ def _expected(n: int, step: int, average: bool) -> np.ndarray:
     return total / WORKERS if average else total
 
 
-def _run(
-    job: Any, tmp_path: Path, ipc_by_worker: list[bool], dtype: str, average: bool
-) -> tuple[list, int]:
+def _run(job: Any, tmp_path: Path, ipc_by_worker: list[bool], dtype: str, average: bool) -> tuple[list, int]:
     """Run WORKER on both workers; return their outputs and the ipc_pushes of both servers."""
     procs = [
         job.start_worker(
@@ -128,6 +130,41 @@ def test_servers_that_cannot_share_memory_decline_and_tcp_carries_the_chunks(
     if server == "python":  # sync: the sums are exact (async results depend on timing)
         for out in outs:
             np.testing.assert_array_equal(out["results"]["big.2"], _expected(50000, 2, False))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("servers", [1, 2])
+def test_local_machines_share_memory_only_with_their_own_servers(tmp_path, servers) -> None:
+    """``bpslaunch --local 2``: machine w on 127.0.0.<w+1>, server s on machine s mod 2, as real machines."""
+    specs = local_job(
+        [sys.executable, "-c", WORKER],
+        2,
+        servers,
+        1,
+        {**os.environ, "DTYPE": "float32", "AVERAGE": "0", "BYTEPS_PARTITION_BYTES": "65536"},
+    )
+    for i, spec in enumerate(specs[1 : 1 + servers], start=1):
+        specs[i] = dataclasses.replace(
+            spec, argv=(*spec.argv, "--stats", str(tmp_path / f"stats{i - 1}.json"))
+        )
+    log = io.BytesIO()
+    assert run_processes(specs, out=log) == 0, log.getvalue().decode(errors="replace")
+    outs = {}
+    for line in log.getvalue().decode().splitlines():
+        label, _, payload = line.partition("] ")
+        if label.startswith("[worker") and payload.startswith("{"):
+            outs[int(label.split()[1].split(".")[0])] = json.loads(payload)
+    for out in outs.values():
+        for step in range(STEPS):
+            np.testing.assert_array_equal(out["results"][f"big.{step}"], _expected(50000, step, False))
+    chunks = -(-50000 * 4 // 65536) + 1  # each lives on one server, whose machine is one of the two
+    shared = [outs[w]["ipc_chunks"] for w in range(2)]
+    if servers == 1:
+        assert shared == [chunks, 0]
+    else:
+        assert sum(shared) == chunks and min(shared) > 0
+    pushes = sum(json.loads((tmp_path / f"stats{s}.json").read_text())["ipc_pushes"] for s in range(servers))
+    assert pushes == chunks * STEPS
 
 
 def _descriptor(pid: int, fd: int, nonce: int, segment: int, offset: int) -> bytes:
