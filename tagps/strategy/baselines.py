@@ -54,20 +54,25 @@ def even_shares(sim: Simulator, batch: int) -> dict[str, int]:
 
 
 def proportional_shares(sim: Simulator, batch: int, optimizer: str = "adam") -> dict[str, int]:
-    """Shares that minimise the slowest device's forward+backward time, within device memory.
+    """Shares that minimise the slowest device's step time, within device memory.
 
-    Greedy min-max over identical samples: each sample goes to the device whose compute time after taking
-    it is smallest; optimal for the maximum because every device's time is non-decreasing in its batch.
+    A device's step time is its forward+backward plus its optimizer step: each device starts its next
+    forward once its own optimizer step is done, so a device with a slower optimizer step gets fewer samples.
+    Greedy min-max over identical samples: each sample goes to the device whose time after taking it is
+    smallest; optimal for the maximum because every device's time is non-decreasing in its batch.
 
     Raises:
         ValueError: the batch does not fit in the devices' memory.
     """
     groups = range(len(sim.groups))
-    static = sum(g.param_bytes for g in sim.groups) * (2 + OPTIMIZER_STATE[optimizer])
+    param_bytes = sum(g.param_bytes for g in sim.groups)
+    static = param_bytes * (2 + OPTIMIZER_STATE[optimizer])
     act = sum(g.act_bytes for g in sim.groups)
+    nparams = sum(len(g.param_names) for g in sim.groups)
+    apply = [sim.apply_time(param_bytes, nparams, dtype, optimizer) for dtype in sim.dtypes]
 
     def cost(dg: int, b: int) -> float:
-        return sum(sum(sim.group_time(i, dg, float(b))) for i in groups) if b else 0.0
+        return apply[dg] + sum(sum(sim.group_time(i, dg, float(b))) for i in groups) if b else 0.0
 
     heap: list[tuple[float, int, int]] = []
     devices: list[tuple[str, int]] = []

@@ -147,7 +147,8 @@ def render_png(plan: Plan, sim: Simulator, path: str | Path) -> SimResult:
     bottom.set_yticks(range(len(resources)), resources, fontsize="small")
     bottom.invert_yaxis()
     bottom.set_xlabel("ms")
-    bottom.set_title(f"simulated iteration: {result.iteration_time * 1e3:.1f} ms")
+    steps = max((t.step for t in result.tasks), default=1)
+    bottom.set_title(f"{steps} simulated steps; iteration time {result.iteration_time * 1e3:.1f} ms")
     bottom.legend(
         handles=[Patch(color=c, label=k) for k, c in colours.items()],
         loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small",

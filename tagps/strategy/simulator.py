@@ -57,6 +57,10 @@ OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
 APPLY_TRAFFIC = {"sgd": 3, "momentum": 5, "adam": 7}
 FUSION_COPIES = 2  # a fused buffer is copied in and out once
 PS_PARTITION_BYTES = 4_096_000  # BytePS's default BYTEPS_PARTITION_BYTES
+# Steps scheduled back to back: a machine starts step k + 1 as soon as its own step k is done, so a plan
+# whose op groups sit on different machines overlaps consecutive steps; the iteration time is the mean
+# period after the first step.
+SIMULATED_STEPS = 2
 
 
 def ring_allreduce_time(
@@ -180,13 +184,14 @@ class _Ring(NamedTuple):
 
 @dataclass(frozen=True)
 class TaskRecord:
-    """One scheduled task (recorded when ``trace=True``)."""
+    """One scheduled task (recorded when ``trace=True``); ``step`` counts from 1 (:data:`SIMULATED_STEPS`)."""
 
     name: str
     category: str
     resource: str
     start: float
     end: float
+    step: int = 1
 
 
 @dataclass
@@ -242,6 +247,7 @@ class SimResult:
                 "tid": tid[t.resource],
                 "ts": t.start * 1e6,
                 "dur": (t.end - t.start) * 1e6,
+                "args": {"step": t.step},
             }
             for t in self.tasks
         ]
@@ -259,7 +265,7 @@ _Label = tuple[str, int, int]
 class _Schedule:
     """Tasks (durations, resources, successors; plain lists for speed) and the list scheduler."""
 
-    __slots__ = ("add", "dur", "names", "npred", "res", "succ")
+    __slots__ = ("add", "dur", "names", "npred", "res", "step_tasks", "succ")
 
     def __init__(self) -> None:
         dur: list[float] = []
@@ -268,6 +274,7 @@ class _Schedule:
         npred: list[int] = []
         names: list[_Label] = []
         self.dur, self.res, self.succ, self.npred, self.names = dur, res, succ, npred, names
+        self.step_tasks = 0  # tasks per step once :meth:`repeat` has run (0: one step)
 
         def add(d: float, r: tuple[int, ...], deps: Sequence[int], name: _Label) -> int:
             """Add a task of ``d`` seconds on resources ``r`` after ``deps``; return its id."""
@@ -282,6 +289,31 @@ class _Schedule:
             return t
 
         self.add = add
+
+    def repeat(self, steps: int, waits: Sequence[tuple[int, int]]) -> None:
+        """Append ``steps - 1`` copies of the tasks so far, each a later training step.
+
+        Args:
+            steps: steps in all (>= 1).
+            waits: ``(task, prerequisite)`` pairs: in every copy, ``task`` also waits for the previous
+                step's ``prerequisite``.
+        """
+        n = len(self.dur)
+        self.step_tasks = n
+        succ, npred = self.succ, self.npred
+        first = succ[:n]  # step 1's rows: copied before any wait edge goes into them
+        for k in range(1, steps):
+            off = k * n
+            succ += [[x + off for x in row] for row in first]
+        self.dur *= steps  # in place: ``add`` keeps its lists
+        self.res *= steps
+        self.names *= steps
+        npred *= steps
+        for k in range(1, steps):
+            off = k * n
+            for task, prereq in waits:
+                succ[prereq + off - n].append(task + off)
+                npred[task + off] += 1
 
     def run(self, nres: int) -> tuple[list[float], list[float], list[float]]:
         """List-schedule; return per-task start, per-task finish and per-resource busy time.
@@ -437,6 +469,7 @@ class _TaskGraph:
         "sched",
         "sfb_bytes",
         "sim",
+        "step_end",
         "sync_done",
     )
 
@@ -461,6 +494,7 @@ class _TaskGraph:
         self.sync_done: list[list[int]] = [[] for _ in sim.dgroups]  # per device group: what apply waits for
         self.sfb_bytes: list[float] = [0.0] * len(sim.groups)  # per op group: gathered SFB factors
         self.memory: list[list[float]] = []  # per device group, per device: peak bytes
+        self.step_end: dict[int, int] = {}  # per device group with work: the task that ends its step
 
     def lay_out(self) -> None:
         """Lay out every op group; op groups with the same placement and option share one layout object."""
@@ -833,14 +867,23 @@ class _TaskGraph:
         self.memory = mem
         barrier = self.barrier
         for g in range(ndg):
+            d = [barrier] if barrier is not None else [tasks[g] for tasks in self.bwd_done if g in tasks]
             if apply_count[g]:
-                d = [barrier] if barrier is not None else [tasks[g] for tasks in self.bwd_done if g in tasks]
-                self.sched.add(
+                self.step_end[g] = self.sched.add(
                     sim.apply_time(apply_bytes[g], apply_count[g], dtypes[g], plan.optimizer),
                     (g,),
                     d + self.sync_done[g],
                     ("apply", -1, g),
                 )
+            elif d:  # no parameters here: the step still ends with its backward and syncs
+                self.step_end[g] = self.sched.add(0.0, (), d + self.sync_done[g], ("step-end", -1, g))
+
+    def repeat(self, steps: int) -> None:
+        """Schedule ``steps`` steps: a device group's forward of step k + 1 waits for the end of its step k
+        (its worker returns from ``optimizer.step()`` before the next ``train_step``)."""
+        names, ends = self.sched.names, self.step_end
+        waits = [(t, ends[g]) for t, (category, _, g) in enumerate(names) if category == "forward"]
+        self.sched.repeat(steps, waits)
 
 
 class Simulator:
@@ -863,6 +906,8 @@ class Simulator:
             wins. A ``CPU`` device group of peak ``p`` below it is a share of that core under a quota, which
             runs every op ``core / p`` times slower, dispatch included; ``None``: such groups keep the
             roofline.
+        steps: training steps scheduled back to back (default :data:`SIMULATED_STEPS`); with more than
+            one, the iteration time is the mean period after the first step.
 
     Attributes (read-only, for the search): ``graph``, ``grouping``, ``topology``; ``groups`` (per op
     group: ops, parameter names, parameter bytes, activation bytes per sample); ``dgroups`` (the
@@ -881,8 +926,12 @@ class Simulator:
         profiles: dict[str, Profile] | None = None,
         host_cpu: HostCpu | None = None,
         cpu_core_flops: float | None = None,
+        steps: int = SIMULATED_STEPS,
     ) -> None:
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         self.graph, self.grouping, self.topology, self.seed = graph, grouping, topology, seed
+        self.steps = steps
         overrides = device_types or {}
         self.dgroups = topology.groups
         self.dindex = {g.name: i for i, g in enumerate(self.dgroups)}
@@ -1361,8 +1410,13 @@ class Simulator:
         graph.backward()
         graph.sync()
         graph.apply()
+        steps = self.steps
+        graph.repeat(steps)
         start, finish, busy = graph.sched.run(self.nres)
-        total = max(finish, default=0.0)
+        n = graph.sched.step_tasks
+        first = max(finish[:n], default=0.0)
+        total = (max(finish[-n:]) - first) / (steps - 1) if steps > 1 and n else first
+        busy = [b / steps for b in busy]
         mem = graph.memory
         peak: dict[str, int] = {}
         oom: list[str] = []
@@ -1388,6 +1442,7 @@ class Simulator:
         sched = graph.sched
         n = len(self.dgroups)
         kinds = ("compute", "nic", "bus")
+        per_step = sched.step_tasks or len(sched.names)
         for t, (category, i, extra) in enumerate(sched.names):
             if not sched.res[t]:
                 continue
@@ -1396,7 +1451,7 @@ class Simulator:
             label = f"{category} g{i}" if i >= 0 else category
             if category == "transfer" and extra >= 0 and extra != i:
                 label = f"transfer g{min(i, extra)}-g{max(i, extra)}"
-            result.tasks.append(TaskRecord(label, category, resource, start[t], finish[t]))
+            result.tasks.append(TaskRecord(label, category, resource, start[t], finish[t], t // per_step + 1))
         ops = self.graph.ops
         for i, tasks in enumerate(graph.fwd_tasks):
             if graph.mp_segments[i] is not None or not tasks:

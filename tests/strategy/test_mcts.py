@@ -13,7 +13,7 @@ from strategy_builders import deep_mlp_graph, three_groups
 
 from tagps.strategy.baselines import dp_nccl
 from tagps.strategy.grouping import group_ops
-from tagps.strategy.mcts import SearchConfig, candidate_actions, search
+from tagps.strategy.mcts import Action, SearchConfig, _Search, candidate_actions, search
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Topology
 
@@ -131,10 +131,12 @@ class _FavourAction:
 def test_a_confident_prior_is_followed_from_the_first_iteration(sim: Simulator) -> None:
     everything = tuple(range(len(sim.dgroups)))
     prior = _FavourAction(everything, "allreduce")
-    result = search(sim, 64, SearchConfig(iterations=5, sfb=False), model=prior)
+    config = SearchConfig(iterations=5, sfb=False)
+    result = search(sim, 64, config, model=prior)
     assert result.iters_to_beat_baseline == 1
-    first = result.plan
-    assert first is not None and all(g.option == "allreduce" for g in first.groups)
+    # The first iteration's plan is the favoured action on every op group.
+    favoured = _Search(sim, 64, config, None, False).plan([Action(everything, "allreduce")])
+    assert result.history[0] == (1, pytest.approx(sim.evaluate(favoured).iteration_time, rel=1e-12))
 
 
 def test_an_invalid_prior_is_an_error(sim: Simulator) -> None:

@@ -12,6 +12,7 @@ from tagps.strategy.baselines import (
     dp_nccl,
     dp_nccl_p,
     even_shares,
+    op_group_plan,
     proportional_shares,
     random_plan,
 )
@@ -23,8 +24,11 @@ from tagps.strategy.plan import CommSettings, GradientSync, OpGroupPlan, Plan
 from tagps.strategy.simulator import (
     APPLY_TRAFFIC,
     PS_PARTITION_BYTES,
+    SIMULATED_STEPS,
     HostCpu,
+    SimResult,
     Simulator,
+    TaskRecord,
     allgather_time,
     ring_allreduce_time,
     summarize,
@@ -44,6 +48,11 @@ def topology(
 def sim_for(model: str, topo: Topology, k: int = 60) -> Simulator:
     graph = model_graph(model)
     return Simulator(graph, group_ops(graph, k), topo)
+
+
+def first_step(result: SimResult) -> list[TaskRecord]:
+    """The traced tasks of the first simulated step."""
+    return [t for t in result.tasks if t.step == 1]
 
 
 def faster(topo: Topology, factor: float) -> Topology:
@@ -88,7 +97,7 @@ def test_ring_allreduce_task_matches_the_formula(mlp, groups, inter, intra):
     sim = Simulator(mlp, group_ops(mlp, 1), topo)
     plan = dp_nccl(sim, 2 * topo.num_devices)
     result = sim.evaluate(plan, trace=True)
-    (task,) = [t for t in result.tasks if t.category == "allreduce"]
+    (task,) = [t for t in first_step(result) if t.category == "allreduce"]
     n = topo.num_devices
     bmin = min(inter, intra) * 1e9 / 8 if len(groups) > 1 else intra * 1e9 / 8
     latency = topo.inter_latency_s if len(groups) > 1 else topo.intra_latency_s
@@ -123,7 +132,7 @@ def test_ps_task_matches_the_formula(mlp):
     sim = Simulator(mlp, group_ops(mlp, 1), topo)
     plan = data_parallel_plan(sim, 10, even_shares(sim, 10), option="ps", ps_servers=("c",))
     result = sim.evaluate(plan, trace=True)
-    (task,) = [t for t in result.tasks if t.category == "ps"]
+    (task,) = [t for t in first_step(result) if t.category == "ps"]
     size, count, inter, intra = mlp.param_bytes, len(mlp.params), 10e9 / 8, 80e9 / 8
     # Full duplex: c's NIC, the busiest, takes a's and b's pushes (and sends both pulls at once), plus one of
     # the P partitions' pull to drain; inside a and b the reduction before the push and the broadcast after.
@@ -150,7 +159,7 @@ def test_ps_through_spare_servers_is_bound_by_the_busiest_nic_in_one_direction()
     sim = Simulator(graph, group_ops(graph, 1), topo)
     servers = tuple(g.name for g in spare)
     plan = data_parallel_plan(sim, 8, even_shares(sim, 8), option="ps", ps_servers=servers)
-    tasks = [t for t in sim.evaluate(plan, trace=True).tasks if t.category == "ps"]
+    tasks = [t for t in first_step(sim.evaluate(plan, trace=True)) if t.category == "ps"]
     assert sorted(t.resource for t in tasks) == [f"s{i}/nic" for i in range(4)]
     size = graph.param_bytes
     expected = size / (10e9 / 8) * (1 + 1 / 4) + 2 * topo.inter_latency_s  # one tensor per server
@@ -173,7 +182,7 @@ def test_a_duplicate_producers_replicas_each_get_every_rows_gradient():
     plan = plan.validate()
     ((_, nbytes),) = [e for e in sim.preds[1] if e[0] == 0]
     result = sim.evaluate(plan, trace=True)
-    back = [t for t in result.tasks if t.category == "transfer" and t.resource.endswith("/nic")]
+    back = [t for t in first_step(result) if t.category == "transfer" and t.resource.endswith("/nic")]
     assert sorted(t.resource for t in back) == ["a/nic", "b/nic"]
     for task in back:  # 4 rows each
         assert task.end - task.start == pytest.approx(4 * nbytes / (1e9 / 8) + topo.inter_latency_s)
@@ -297,9 +306,14 @@ def test_chrome_trace_and_op_times(tmp_path):
     trace = json.loads(path.read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["cat"] for e in spans} >= {"forward", "backward", "ps", "apply"}
-    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(result.iteration_time * 1e6)
+    # Every step is in the trace; the iteration time is the mean period after the first.
+    steps = range(1, sim.steps + 1)
+    ends = {k: max(e["ts"] + e["dur"] for e in spans if e["args"]["step"] == k) for k in steps}
+    assert sim.steps == SIMULATED_STEPS and len(ends) == sim.steps
+    period = (ends[sim.steps] - ends[1]) / (sim.steps - 1)
+    assert period == pytest.approx(result.iteration_time * 1e6)
     assert len(result.op_times) == len(sim.graph.ops)
-    assert all(0 <= s <= e <= result.iteration_time for s, e in result.op_times.values())
+    assert all(0 <= s <= e <= ends[1] / 1e6 for s, e in result.op_times.values())
     assert "iteration time" in summarize(result, 32)
     with pytest.raises(ValueError, match="trace=True"):
         sim.evaluate(plan).chrome_trace()
@@ -429,7 +443,7 @@ def test_ps_through_a_colocated_server_takes_cpu_from_a_quotad_machine():
         plan = BASELINES["byteps-like"](base, 16)
         before, after = base.evaluate(plan).iteration_time, costed.evaluate(plan, trace=True)
         assert after.iteration_time > before
-        assert {t.resource for t in after.tasks if t.category == "ps-cpu"} == {"a/compute", "b/compute"}
+        assert {t.resource for t in first_step(after) if t.category == "ps-cpu"} == {"a/compute", "b/compute"}
         extra[cores] = after.iteration_time - before
         # all-reduce keeps its ring model (the host CPU is costed on the PS path only)
         ring = BASELINES["dp-nccl"](base, 16)
@@ -444,7 +458,7 @@ def test_a_push_to_a_server_on_its_own_machine_costs_shared_memory_copies_not_me
     cpu = {}
     for name, host in (("tcp", HOST), ("shm", dataclasses.replace(HOST, shm_copy_s_per_byte=shm))):
         result = Simulator(base.graph, base.grouping, base.topology, host_cpu=host).evaluate(plan, trace=True)
-        cpu[name] = sum(t.end - t.start for t in result.tasks if t.category == "ps-cpu")
+        cpu[name] = sum(t.end - t.start for t in first_step(result) if t.category == "ps-cpu")
     # Per server of S bytes, its local member saves 2 (c_copy - c_shm) and the server c_copy + c_copy -
     # c_shm; the remote member's push costs what it did. Both machines run at half a core.
     nbytes = sum(base.graph.params.values())
@@ -513,7 +527,7 @@ def test_a_server_only_machine_bounds_ps_by_its_servers_cpu():
     plan = dataclasses.replace(BASELINES["byteps-like"](base, 16), ps_servers=("srv",)).validate()
     result = costed.evaluate(plan, trace=True)
     assert result.iteration_time > base.evaluate(plan).iteration_time
-    assert "srv/compute" in {t.resource for t in result.tasks if t.category == "ps-cpu"}
+    assert "srv/compute" in {t.resource for t in first_step(result) if t.category == "ps-cpu"}
 
 
 def test_collective_steps_cost_the_slowest_members_cpu_and_zero_changes_nothing():
@@ -551,9 +565,9 @@ def test_a_collective_call_costs_once_per_call_whatever_the_ring_size():
     called = Simulator(
         base.graph, base.grouping, base.topology, host_cpu=HostCpu(160e9, collective_call_s=1e-3)
     )
-    tasks = base.evaluate(plan, trace=True).tasks
+    tasks = first_step(base.evaluate(plan, trace=True))
     plain = {t.name: t.end - t.start for t in tasks if t.category == "allreduce"}
-    for t in called.evaluate(plan, trace=True).tasks:
+    for t in first_step(called.evaluate(plan, trace=True)):
         if t.category == "allreduce":  # 1 ms of CPU at half a core, once per tensor of the op group
             tensors = len(base.groups[int(t.name.split("g")[-1])].param_names)
             assert t.end - t.start == pytest.approx(plain[t.name] + tensors * 2e-3)
@@ -565,7 +579,7 @@ def test_a_ps_call_takes_its_cpu_from_every_member_machine_once_per_tensor_or_fu
     called = Simulator(base.graph, base.grouping, base.topology, host_cpu=host)
     for fusion, calls in ((0, len(base.graph.params)), (64 << 20, None)):
         plan = dataclasses.replace(BASELINES["byteps-like"](base, 16), comm=CommSettings(True, fusion))
-        tasks = [t for t in called.evaluate(plan, trace=True).tasks if t.category == "ps-cpu"]
+        tasks = [t for t in first_step(called.evaluate(plan, trace=True)) if t.category == "ps-cpu"]
         busy = sum(t.end - t.start for t in tasks if t.resource == "a/compute")
         # 1 ms per call on one rank, at half a core: per tensor unfused, once per op group fused.
         syncing = sum(1 for g in base.groups if g.param_names)
@@ -581,7 +595,7 @@ def test_an_all_reduce_takes_the_cpu_of_its_bytes_from_the_members_compute(fusio
     host = HostCpu(160e9, copy_s_per_byte=copy)
     copying = Simulator(base.graph, base.grouping, base.topology, host_cpu=host)
     result = copying.evaluate(plan, trace=True)
-    cpu = [t for t in result.tasks if t.category == "allreduce-cpu"]
+    cpu = [t for t in first_step(result) if t.category == "allreduce-cpu"]
     assert {t.resource for t in cpu} == {"a/compute", "b/compute"}
     # Each rank sends and receives S/2 in each half of the ring (reduce-scatter, all-gather): four copies of
     # S/2, on a machine of half a core (the sum is not costed here).
@@ -598,9 +612,45 @@ def test_an_early_first_bucket_starts_the_sync_during_backward():
         plan, comm=CommSettings(overlap=True, fusion_bytes=64 << 20, first_bucket_bytes=1 << 20)
     )
     t_one, t_early = base.evaluate(one, trace=True), base.evaluate(early, trace=True)
-    syncs = [t for t in t_one.tasks if t.category == "allreduce"]
-    early_syncs = [t for t in t_early.tasks if t.category == "allreduce"]
+    syncs = [t for t in first_step(t_one) if t.category == "allreduce"]
+    early_syncs = [t for t in first_step(t_early) if t.category == "allreduce"]
     assert len(syncs) == 1 and len(early_syncs) == 2
     assert early_syncs[0].start < syncs[0].start  # the first bucket goes before backward ends
     assert t_early.iteration_time < t_one.iteration_time
     assert Plan.from_dict(early.to_dict()).comm == early.comm
+
+
+def pipelined_plan(sim: Simulator, batch: int, first: int) -> Plan:
+    """The first ``first`` op groups on the first device group, the rest on the second."""
+    names = [g.name for g in sim.dgroups]
+    groups = tuple(
+        op_group_plan(sim, i, (names[0] if i < first else names[1],), "allreduce")
+        for i in range(len(sim.groups))
+    )
+    gradients = {p: GradientSync(i, "allreduce") for i, g in enumerate(sim.groups) for p in g.param_names}
+    shares = {f"{names[0]}:0": batch // 2, f"{names[1]}:0": batch - batch // 2}  # per op group: all
+    return Plan(sim.topology, sim.graph.name, batch, groups, gradients, shares).validate()
+
+
+def test_consecutive_steps_overlap_where_op_groups_sit_on_different_machines():
+    graph = deep_mlp_graph(1024, 6)
+    topo = topology(("a", "V100-32GB", 1), ("b", "CPU", 1), inter_gbps=10.0)
+    one, many = (Simulator(graph, group_ops(graph, 6), topo, steps=k) for k in (1, SIMULATED_STEPS))
+    plan = pipelined_plan(many, 64, first=1)
+    single, steady = one.evaluate(plan), many.evaluate(plan, trace=True)
+    # GPU machine a (one op group) starts the next forward while CPU machine b still runs its much longer
+    # optimizer step (five op groups' parameters), so the period is shorter than one step alone, but never
+    # shorter than the busiest device's work.
+    assert steady.iteration_time < single.iteration_time * (1 - 1e-3)
+    assert steady.iteration_time >= max(steady.busy.values()) * (1 - 1e-12)
+    assert steady.busy == pytest.approx(single.busy)
+    assert {t.step for t in steady.tasks} == set(range(1, SIMULATED_STEPS + 1))
+    # A data-parallel plan synchronises every step: the period is the step.
+    dp = dp_nccl(many, 64)
+    assert many.evaluate(dp).iteration_time == pytest.approx(one.evaluate(dp).iteration_time, rel=1e-9)
+
+
+def test_simulated_steps_must_be_positive():
+    graph = deep_mlp_graph(64, 1)
+    with pytest.raises(ValueError, match="steps"):
+        Simulator(graph, group_ops(graph, 1), topology(("a", "V100-32GB", 1)), steps=0)
