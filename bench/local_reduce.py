@@ -13,13 +13,14 @@ its descheduled members). Candidates, timed in interleaved rounds, best round ke
 - python_loop: the replaced path: torch views of an mmap of the same file, per shard a ``kernels.sum_into``
   call per group, ``copy_`` of slot 0 into the result row, ``sum_into`` of the other group leaders.
 - sum_into: ``kernels.sum_into(x0, x1, ..., xn)`` on private tensors of the same size: reads every row
-  once and writes one; the arena also copies slot 0's sum into the result row (2 more rows of traffic).
+  once and writes one, as the arena's one-group reduction does (it sums the slots straight into the
+  result row); with two groups the arena writes each leader once more and reads it back.
 - copy_in_out, cpp vs torch: every rank's copy into its slot and one copy of the result out.
 
 Writes JSON (default bench/results/local_reduce.json) with the ``machine``, ``measurements`` (ms) and
 ``figures``: ``cpp_vs_python_loop_<topology>`` (python_loop time / cpp time), ``cpp_vs_sum_into``
-(sum_into time / cpp time; one group moves 7 rows against sum_into's ranks + 1, so 5/7 is the floor's
-ratio for 4 ranks) and ``copy_cpp_vs_torch``.
+(sum_into time / cpp time, one group; both move ranks + 1 rows, so 1 is the floor's ratio) and
+``copy_cpp_vs_torch``.
 """
 
 from __future__ import annotations

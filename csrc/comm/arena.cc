@@ -111,15 +111,22 @@ void Arena::reduce_shard(const std::vector<std::vector<size_t>>& groups, size_t 
   kernels::SumOptions sum;
   sum.dtype = o_.dtype;
   sum.count = end - begin;
-  for (const auto& group : groups) {
-    sum.dst = at(group[0]);
+  const auto members = [&](const std::vector<size_t>& group) {
     sum.srcs.clear();
     for (size_t k = 1; k < group.size(); ++k) sum.srcs.push_back(at(group[k]));
+  };
+  for (size_t g = 1; g < groups.size(); ++g) {
+    sum.dst = at(groups[g][0]);
+    members(groups[g]);
     kernels::sum_into(sum);
   }
   // The result has its own row: the root refills slot 0 for its next round while others still copy out.
+  // The first group sums straight into it (out of place: one row less than a sum into slot 0 and a copy).
   sum.dst = at(o_.slots);
-  parallel_copy(sum.dst, at(0), sum.count * dtype_size(o_.dtype));
+  sum.first = at(groups[0][0]);
+  members(groups[0]);
+  kernels::sum_into(sum);
+  sum.first = nullptr;
   sum.srcs.clear();
   for (size_t g = 1; g < groups.size(); ++g) sum.srcs.push_back(at(groups[g][0]));
   kernels::sum_into(sum);

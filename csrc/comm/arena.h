@@ -48,10 +48,11 @@ class Arena {
   // Copies the result row into `dst` (`nbytes` == row_bytes()).
   void copy_out(void* dst, size_t nbytes) const;
 
-  // One participant's shard [begin, end) of the reduction, in place: first, for each group, its members
-  // groups[g][1..] into its leader's slot groups[g][0] (kernels::sum_into, in that order); then the result
-  // row = slot 0 + the leaders of groups[1..]. Every element is rounded as that chain of sum_into calls
-  // rounds it (float16/bfloat16 once per call). Groups hold slot indices and must not be empty.
+  // One participant's shard [begin, end) of the reduction: first, for each group after the first, its
+  // members groups[g][1..] into its leader's slot groups[g][0] (kernels::sum_into, in that order); then
+  // the result row = the first group's members (summed out of place, slot 0 left as it was), then + the
+  // leaders of groups[1..]. Every element is rounded as that chain of sum_into calls rounds it
+  // (float16/bfloat16 once per call). Groups hold slot indices and must not be empty.
   void reduce_shard(const std::vector<std::vector<size_t>>& groups, size_t begin, size_t end);
 
  private:

@@ -16,7 +16,8 @@ constexpr size_t kMinParallel = size_t{1} << 16;
 
 void sum_into(const SumOptions& o) {
   dtype_size(o.dtype);  // throws InvalidType for an unknown dtype
-  if (o.count == 0 || o.srcs.empty()) return;
+  const void* first = o.first != nullptr ? o.first : o.dst;
+  if (o.count == 0 || (o.srcs.empty() && first == o.dst)) return;
   TAGPS_ENFORCE(o.dst != nullptr, "sum_into: dst is null");
   for (const void* s : o.srcs) TAGPS_ENFORCE(s != nullptr, "sum_into: a source is null");
   const void* const* srcs = o.srcs.data();
@@ -25,8 +26,8 @@ void sum_into(const SumOptions& o) {
     constexpr DType D = decltype(tag)::value;
     simd_parallel_for(
         o.count, kMinParallel,
-        [&](auto begin, auto end) { detail::sum_avx2(D, o.dst, srcs, nsrc, begin, end); },
-        [&](auto begin, auto end) { detail::sum_ref<D>(o.dst, srcs, nsrc, begin, end); });
+        [&](auto begin, auto end) { detail::sum_avx2(D, o.dst, first, srcs, nsrc, begin, end); },
+        [&](auto begin, auto end) { detail::sum_ref<D>(o.dst, first, srcs, nsrc, begin, end); });
   });
 }
 

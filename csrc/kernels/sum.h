@@ -16,11 +16,14 @@ struct SumOptions {
   // overlap with dst is the caller's error (tagps.kernels rejects it).
   std::vector<const void*> srcs;
   size_t count = 0;
+  // The first term, `count` elements that dst itself or no source overlaps; null: dst (in place). Out of
+  // place, dst is only written: a sum into a fresh buffer moves one row less than a copy and a sum.
+  const void* first = nullptr;
 };
 
-// dst[i] = (((dst[i] + srcs[0][i]) + srcs[1][i]) + ...), reading every input once. float16/bfloat16
-// accumulate in float32 and round once; integers wrap. The scalar and AVX2 paths add in the same order,
-// so their results are bitwise equal.
+// dst[i] = (((first[i] + srcs[0][i]) + srcs[1][i]) + ...) with first = dst unless given, reading every
+// input once. float16/bfloat16 accumulate in float32 and round once; integers wrap. The scalar and AVX2
+// paths add in the same order, so their results are bitwise equal.
 void sum_into(const SumOptions& options);
 
 struct ScaleOptions {
@@ -40,17 +43,18 @@ namespace detail {
 // Elements per block of the scalar sum; the block's accumulators stay in L1.
 inline constexpr size_t kSumBlock = 256;
 
-// Scalar reference over [begin, end): the order of additions per element is dst, srcs[0], srcs[1], ...
+// Scalar reference over [begin, end): the order of additions per element is first, srcs[0], srcs[1], ...
 template <DType D>
-void sum_ref(void* dst, const void* const* srcs, size_t nsrc, size_t begin, size_t end) {
+void sum_ref(void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t begin, size_t end) {
   using E = Elem<D>;
   using T = typename E::T;
   using A = typename E::A;
   T* d = static_cast<T*>(dst);
+  const T* f = static_cast<const T*>(first);
   A acc[kSumBlock];
   for (size_t b = begin; b < end; b += kSumBlock) {
     const size_t len = end - b < kSumBlock ? end - b : kSumBlock;
-    for (size_t j = 0; j < len; ++j) acc[j] = E::load(d[b + j]);
+    for (size_t j = 0; j < len; ++j) acc[j] = E::load(f[b + j]);
     for (size_t k = 0; k < nsrc; ++k) {
       const T* s = static_cast<const T*>(srcs[k]) + b;
       for (size_t j = 0; j < len; ++j) acc[j] += E::load(s[j]);
@@ -68,7 +72,8 @@ void scale_ref(void* buf, typename Elem<D>::A factor, size_t begin, size_t end) 
 }
 
 // AVX2 variants (sum_avx2.cc), same contract as the references.
-void sum_avx2(DType dtype, void* dst, const void* const* srcs, size_t nsrc, size_t begin, size_t end);
+void sum_avx2(DType dtype, void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t begin,
+              size_t end);
 void scale_avx2(DType dtype, void* buf, double factor, size_t begin, size_t end);
 
 // Converts a scale factor to the accumulation type of D (integral factors checked by scale()).

@@ -7,15 +7,16 @@ namespace tagps::kernels::detail {
 namespace {
 
 template <DType D>
-void sum_vec(void* dst, const void* const* srcs, size_t nsrc, size_t begin, size_t end) {
+void sum_vec(void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t begin, size_t end) {
   using W = Vec<D>;
   using T = typename W::T;
   constexpr size_t w = W::kWidth;
   T* d = static_cast<T*>(dst);
+  const T* f = static_cast<const T*>(first);
   size_t i = begin;
   for (; i + 4 * w <= end; i += 4 * w) {
-    auto a0 = W::load(d + i), a1 = W::load(d + i + w);
-    auto a2 = W::load(d + i + 2 * w), a3 = W::load(d + i + 3 * w);
+    auto a0 = W::load(f + i), a1 = W::load(f + i + w);
+    auto a2 = W::load(f + i + 2 * w), a3 = W::load(f + i + 3 * w);
     for (size_t k = 0; k < nsrc; ++k) {
       const T* s = static_cast<const T*>(srcs[k]) + i;
       a0 = W::add(a0, W::load(s));
@@ -29,11 +30,11 @@ void sum_vec(void* dst, const void* const* srcs, size_t nsrc, size_t begin, size
     W::store(d + i + 3 * w, a3);
   }
   for (; i + w <= end; i += w) {
-    auto a = W::load(d + i);
+    auto a = W::load(f + i);
     for (size_t k = 0; k < nsrc; ++k) a = W::add(a, W::load(static_cast<const T*>(srcs[k]) + i));
     W::store(d + i, a);
   }
-  sum_ref<D>(dst, srcs, nsrc, i, end);
+  sum_ref<D>(dst, first, srcs, nsrc, i, end);
 }
 
 template <DType D>
@@ -54,8 +55,9 @@ void scale_vec(void* buf, double factor, size_t begin, size_t end) {
 
 }  // namespace
 
-void sum_avx2(DType dtype, void* dst, const void* const* srcs, size_t nsrc, size_t begin, size_t end) {
-  visit_dtype(dtype, [&](auto tag) { sum_vec<decltype(tag)::value>(dst, srcs, nsrc, begin, end); });
+void sum_avx2(DType dtype, void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t begin,
+              size_t end) {
+  visit_dtype(dtype, [&](auto tag) { sum_vec<decltype(tag)::value>(dst, first, srcs, nsrc, begin, end); });
 }
 
 void scale_avx2(DType dtype, void* buf, double factor, size_t begin, size_t end) {

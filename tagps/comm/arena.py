@@ -67,8 +67,9 @@ class ShmArena:
         self._arena.copy_out(_bytes(tensor))
 
     def reduce_shard(self, groups: Sequence[Sequence[int]], start: int, stop: int) -> None:
-        """Sum elements ``[start, stop)``: each group's slots into its first slot, then slot 0 and the other
-        groups' first slots into the result row (each step rounded as :func:`tagps.kernels.sum_into`)."""
+        """Sum elements ``[start, stop)``: each later group's slots into its first slot, then the first
+        group's slots and the other groups' first slots into the result row, the first group's slots left
+        as they were (each step rounded as :func:`tagps.kernels.sum_into`)."""
         self._arena.reduce_shard([list(g) for g in groups], start, stop)
 
     def unlink(self) -> None:

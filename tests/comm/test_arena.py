@@ -19,7 +19,8 @@ from tagps.comm.arena import ArenaFull, ShmArena
 from tagps.comm.local_reduce import LocalReducer, shard_bounds
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
-# Slot groups as LocalReducer orders them (slot 0 leads the first group), and two it never makes.
+# Slot groups as LocalReducer orders them (slot 0 leads the first group), and two it never makes: every
+# slot counts whichever leads.
 TOPOLOGIES = [
     [[0]],
     [[0, 1, 2, 3]],
@@ -40,8 +41,8 @@ def _inputs(dtype: torch.dtype, slots: int, count: int) -> list[torch.Tensor]:
 
 
 def _reference(xs: list[torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
-    """numpy: each group into its leader, then slot 0 plus the other leaders; float16/bfloat16 summed in
-    float32 and rounded once per step, as sum_into does."""
+    """numpy: each later group into its leader, then the first group's slots plus the other leaders;
+    float16/bfloat16 summed in float32 and rounded once per step, as sum_into does."""
     dtype = xs[0].dtype
     acc = np.float32 if dtype in (torch.float16, torch.bfloat16) else None
 
@@ -51,16 +52,17 @@ def _reference(xs: list[torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
     def store(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(dtype)
 
+    def summed(members: list[torch.Tensor]) -> torch.Tensor:
+        total = as_np(members[0])
+        for m in members[1:]:
+            total += as_np(m)
+        return store(total)
+
     rows = list(xs)
-    for group in groups:
-        total = as_np(rows[group[0]])
-        for m in group[1:]:
-            total += as_np(rows[m])
-        rows[group[0]] = store(total)
-    total = as_np(rows[0])
     for group in groups[1:]:
-        total += as_np(rows[group[0]])
-    return store(total)
+        rows[group[0]] = summed([rows[m] for m in group])
+    first = summed([rows[m] for m in groups[0]])
+    return summed([first, *(rows[g[0]] for g in groups[1:])]) if len(groups) > 1 else first
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
