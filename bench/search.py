@@ -46,6 +46,7 @@ import shlex
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,10 +128,9 @@ def explain(
 
 def presets(
     prior: GNNPrior, iterations: int, models: list[str], figures: dict[str, float], plans: dict[str, dict]
-) -> list[str]:
+) -> Iterator[str]:
     """Plan every model on both presets (and its data-parallel search); fill ``figures`` and ``plans``;
-    return table rows."""
-    rows = []
+    yield each table row as soon as its model is done (the whole table takes minutes)."""
     for preset in PRESETS:
         for model in models:
             topo = PRESETS[preset]()
@@ -144,7 +144,7 @@ def presets(
             # CPU time too: on a shared machine the wall time also counts other users' load.
             figures[f"plan_cpu_seconds_{key}"] = round(time.process_time() - cpu, 2)
             if result.plan is None:
-                rows.append(f"{model:<12} {preset:<14} no feasible plan")
+                yield f"{model:<12} {preset:<14} no feasible plan"
                 continue
             dp, _ = plan_model(model, topo, batch, replace(config, data_parallel=True), prior)
             t = result.time_s
@@ -162,8 +162,7 @@ def presets(
             figures[f"speedup_{key}_best_baseline"] = round(strong[best_name] / t, 4)
             plans[key] = {"best_baseline": best_name, **explain(sim, batch, result, dp, strong)}
             cells.append(f"{strong[best_name] / t:>8.2f} ({best_name})")
-            rows.append(f"{model:<12} {preset:<14} {t * 1e3:>9.1f} " + " ".join(cells) + f" {wall:>8.1f}")
-    return rows
+            yield f"{model:<12} {preset:<14} {t * 1e3:>9.1f} " + " ".join(cells) + f" {wall:>8.1f}"
 
 
 def geomean(values: list[float]) -> float:
