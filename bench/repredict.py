@@ -1,6 +1,6 @@
 """Re-predict the runs of a committed ``bench/e2e_cluster.py`` result with the simulator as it is now.
 
-Usage: python bench/repredict.py [RESULT_JSON] [--calibration FILE]
+Usage: python bench/repredict.py [RESULT_JSON] [--calibration FILE] [--profiles DIR]
 
 The fast way to iterate on the cost model: the measured step times, the plans (with the measured topology
 inside them) and the calibration are all in the result and its ``*-plans/`` folder, so a change to the
@@ -8,7 +8,9 @@ simulator is checked against real runs in seconds instead of a 25-minute cluster
 measured step time, the prediction recorded then and the prediction now, and the error figures of both
 (Horovod's runs are left out of the figures, as ``bench/e2e_cluster.py`` does). The op profiles are the
 ones the run made on its host, in ``<result>-plans/profiles`` (older results: found as ``tagps plan`` finds
-them, ``TAGPS_CACHE_DIR`` and then the shipped ones).
+them, ``TAGPS_CACHE_DIR`` and then the shipped ones); ``--profiles DIR`` takes another run's instead (a
+folder holding ``profiles/``, such as another result's ``*-plans/``), to tell how much of an error is the
+profile's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "result", type=Path, nargs="?", default=REPO / "bench" / "results" / "e2e_cluster.json"
     )
     parser.add_argument("--calibration", type=Path, help="a calibration file instead of the recorded one")
+    parser.add_argument(
+        "--profiles", type=Path, help="a folder holding profiles/ (another result's *-plans/) instead",
+    )
     args = parser.parse_args(argv)
+    if args.profiles is not None and not (args.profiles / "profiles").is_dir():
+        parser.error(f"--profiles {args.profiles}: no profiles/ folder in it")
 
     from tagps.strategy.calibration import Calibration, load_calibration
     from tagps.strategy.graph import model_graph
@@ -40,7 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tagps.strategy.plan import load
 
     plans = args.result.parent / f"{args.result.stem}-plans"
-    if (plans / "profiles").is_dir():
+    if args.profiles is not None:
+        os.environ["TAGPS_CACHE_DIR"] = str(args.profiles)
+    elif (plans / "profiles").is_dir():
         os.environ["TAGPS_CACHE_DIR"] = str(plans)
     data = json.loads(args.result.read_text())
     cal = (
