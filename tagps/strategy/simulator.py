@@ -9,7 +9,8 @@ devices share one intra-group bandwidth. Resources are one compute stream per de
 channel per device group (inter-group traffic) and one bus channel per device group (intra-group
 traffic). A task starts when its predecessors are done and all its resources are free; resources serve
 tasks in the order they become ready (ties: creation order), from a heap of ``(finish time, creation
-index)`` events. Costs (see ``docs/simulator.md``):
+index)`` events. :data:`SIMULATED_STEPS` iterations run back to back, each device group's next forward
+after its own apply, and the iteration time is their mean period. Costs (see ``docs/simulator.md``):
 
 .. math::
     t_{ring}(S, n) = \\frac{2(n-1)}{n}\\frac{S}{B_{min}} + 2(n-1)\\,\\alpha\\,c
