@@ -17,6 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# Fresh processes a benchmark's op profile is the median of (tagps.strategy.profiles.build_profile): on a
+# shared host each process draws its own speed.
+PROFILE_PROCESSES = 3
+
 
 def _cpuinfo(field: str) -> str | None:
     """The value of the first ``field`` line of /proc/cpuinfo (None where there is none)."""

@@ -25,7 +25,8 @@ LM, 0.7M parameters), each at a global batch of 48, it trains with
   (``--runtime horovod``: the job's processes join as a Horovod job, :mod:`tagps.cluster.horovod_gloo`),
   when ``horovod.torch`` imports (``make bench-deps`` builds it; else skipped, with the reason in the JSON);
 
-Before calibrating, it profiles the calibration's models and these two on this host (``tagps profile``,
+Before calibrating, it profiles the calibration's models and these two on this host (``tagps profile
+--processes 3``: the median of three processes, each of which draws its own speed on a shared host;
 written to ``<out>-plans/profiles`` and used through ``TAGPS_CACHE_DIR``: the shipped profiles come from
 another host), and records, per run, the median step time of the best of the interleaved rounds (the
 machine is shared; the least disturbed round is the fairest), the calibrated simulator's prediction for the
@@ -60,7 +61,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchlib import machine_info, write_json
+from benchlib import PROFILE_PROCESSES, machine_info, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_CLUSTER = {
@@ -280,12 +281,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Written beside the plans (TAGPS_CACHE_DIR=<plans>: bench/repredict.py finds them there).
     profiled = (*CALIBRATION_MODELS, *MODELS.values())
     print(f"profiling {', '.join(profiled)} on this host ...", flush=True)
-    commands = [f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.cli profile --model {m}"
+    commands = [f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.cli profile --model {m} "
+                f"--processes {PROFILE_PROCESSES}"
                 for m in profiled]  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:  # profiling's op-time cache: not kept, never reused
         os.environ["TAGPS_CACHE_DIR"] = scratch
         for m in profiled:
-            build_profile(m).save(profile_path(m, "CPU", plans_dir / "profiles"))
+            build_profile(m, processes=PROFILE_PROCESSES).save(profile_path(m, "CPU", plans_dir / "profiles"))
     os.environ["TAGPS_CACHE_DIR"] = str(plans_dir)
     commands.append(f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.calibrate"
                     f"{' --quick' if args.quick else ''}")  # fmt: skip

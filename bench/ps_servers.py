@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import command_line, machine_info, write_json
+from benchlib import PROFILE_PROCESSES, command_line, machine_info, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, GROUPS = 48, 8
@@ -88,7 +88,7 @@ def main() -> int:
     cal = load_calibration(default_path())
     # The simulator costs the model from an op profile of this host, as `tagps plan` does after
     # `tagps profile`; a shipped one comes from another host, whose ops relate differently to its core.
-    profile = build_profile(args.model)
+    profile = build_profile(args.model, processes=PROFILE_PROCESSES)
     saved = profile_path(profile.model, profile.device_type)
     profile.save(saved)
     print(f"profiled {args.model} on this host: {saved}", flush=True)

@@ -386,11 +386,11 @@ def _run_profile(args: argparse.Namespace) -> int:
             raise ValueError("--repeats must be >= 1")
         profile = build_profile(
             args.model, args.device, batches, args.repeats, args.device_type, args.threads or None,
-            progress=not args.quiet,
+            progress=not args.quiet, processes=args.processes,
         )
         path = Path(args.output) if args.output else profile_path(profile.model, profile.device_type)
         profile.save(path)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:  # RuntimeError: a profiling process failed
         print(f"tagps profile: {exc}", file=sys.stderr)
         return 2
     # What the simulator would say without the profile: one device of that type, every op in one group.
@@ -427,6 +427,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per op; the fastest counts (default 5)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: a CPU device is one single-threaded worker; 0: torch's)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="profile in this many fresh processes one after another and keep each time's median "
+                   "(a shared host gives each process its own speed; default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output",
                    help="where to write it (default: TAGPS_CACHE_DIR/profiles/<model>.<device type>.json)")

@@ -47,6 +47,7 @@ __all__ = [
     "fit_linear",
     "load_profile",
     "local_device_type",
+    "median_profile",
     "profile_path",
     "time_model",
 ]
@@ -439,6 +440,7 @@ def build_profile(
     device_type: str | None = None,
     threads: int | None = 1,
     progress: bool = False,
+    processes: int = 1,
 ) -> Profile:
     """Time every op of reference model ``model`` on the local ``device`` and fit its profile.
 
@@ -452,9 +454,14 @@ def build_profile(
             single-threaded worker process, as the runtime runs it; and on a shared host a second thread
             waits for a free core at every op, which makes small ops 100x slower.
         progress: show a progress bar.
+        processes: profile in this many fresh processes, one after another, and keep the median of every
+            time (:func:`median_profile`): on a shared host one process's speed is one draw (vgg-mini's
+            batch-32 backward took 20-37 ms in six single-process profilings of the 2-core host within
+            half an hour).
 
     Raises:
-        ValueError: fewer than two batch sizes, CUDA absent, unknown device type, ``threads < 1``.
+        ValueError: fewer than two batch sizes, CUDA absent, unknown device type, ``threads < 1``,
+            ``processes < 1``; RuntimeError: a profiling process failed.
     """
     import torch
 
@@ -462,8 +469,13 @@ def build_profile(
         raise ValueError(f"a profile needs at least two distinct batch sizes, got {list(batch_sizes)}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
     dtype = device_type or local_device_type(device)
     devices.device_type(dtype)  # an unknown name fails before minutes of profiling
+    if processes > 1:
+        args = (model, device, list(batch_sizes), repeats, dtype, threads)
+        return median_profile([_profile_in_process(args, k, processes, progress) for k in range(processes)])
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
@@ -480,6 +492,66 @@ def build_profile(
     finally:
         torch.set_num_threads(previous)
     return Profile.from_times(model_graph(model), dtype, batch_sizes, times, whole, host, core)
+
+
+def _profile_in_process(args: tuple[Any, ...], index: int, count: int, progress: bool) -> Profile:
+    """:func:`build_profile` of ``args`` in a fresh Python process (``index`` of ``count``)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if progress:
+        print(f"profiling {args[0]} in process {index + 1} of {count} ...", file=sys.stderr, flush=True)
+    code = (
+        "import json, sys\n"
+        "from tagps.strategy.profiles import build_profile\n"
+        "build_profile(*json.loads(sys.argv[1])).save(sys.argv[2])\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="tagps-profile-") as tmp:
+        out = Path(tmp) / "profile.json"
+        env = {**os.environ, "TAGPS_CACHE_DIR": tmp}  # its own op-time cache: every process measures afresh
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(args), str(out)], capture_output=True,
+                              text=True, env=env)  # fmt: skip
+        if done.returncode != 0:
+            tail = done.stderr.strip()[-2000:]
+            raise RuntimeError(f"profiling {args[0]} in process {index + 1} of {count} failed: {tail}")
+        return load_profile(out)
+
+
+def median_profile(profiles: Sequence[Profile]) -> Profile:
+    """One profile from several of the same model, device type and batch sizes: the median of each op's
+    times (refitted), of each whole pass and optimizer step, and of the core speeds.
+
+    Raises:
+        ValueError: no profiles, or profiles of different models, device types or batch sizes.
+    """
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    first = profiles[0]
+    for p in profiles[1:]:
+        if (p.model, p.device_type, p.batch_sizes) != (first.model, first.device_type, first.batch_sizes):
+            raise ValueError(
+                f"median_profile: {p.model} on {p.device_type} at {p.batch_sizes} does not match "
+                f"{first.model} on {first.device_type} at {first.batch_sizes}"
+            )
+    batches = first.batch_sizes
+    k = range(len(batches))
+    ops = []
+    for i, op in enumerate(first.ops):
+        fwd = tuple(statistics.median(p.ops[i].fwd_s[j] for p in profiles) for j in k)
+        bwd = tuple(statistics.median(p.ops[i].bwd_s[j] for p in profiles) for j in k)
+        ops.append(OpProfile(op.name, fwd, bwd, fit_linear(batches, fwd), fit_linear(batches, bwd)))
+    whole = ModelTimes(
+        tuple(statistics.median(p.whole.fwd_s[j] for p in profiles) for j in k),
+        tuple(statistics.median(p.whole.bwd_s[j] for p in profiles) for j in k),
+        {name: statistics.median(p.whole.apply_s[name] for p in profiles) for name in first.whole.apply_s},
+        first.whole.param_bytes,
+    )
+    cores = [p.core_flops for p in profiles if p.core_flops is not None]
+    core = statistics.median(cores) if cores else None
+    host = {**first.host, "processes": str(len(profiles))}
+    return Profile(first.model, first.device_type, first.peak_flops, batches, tuple(ops), whole, core, host)
 
 
 def _core_flops() -> float:

@@ -182,6 +182,39 @@ def test_time_model_counts_the_median_pass_not_the_fastest(monkeypatch):
     assert whole.fwd_s == (2.0,) and whole.bwd_s == (5.0,)
 
 
+def test_a_median_profile_keeps_the_median_of_every_time(mlp):
+    from tagps.strategy.profiles import median_profile
+
+    draws = [synthetic(mlp, scale, apply=0.01 * scale) for scale in (1.0, 5.0, 2.0)]
+    merged = median_profile(draws)
+    middle = draws[2]
+    for got, want in zip(merged.ops, middle.ops, strict=True):
+        assert got.fwd_s == pytest.approx(want.fwd_s) and got.bwd_s == pytest.approx(want.bwd_s)
+        assert got.fwd_fit == pytest.approx(want.fwd_fit)
+    assert merged.whole.fwd_s == pytest.approx(middle.whole.fwd_s)
+    assert merged.whole.apply_s == pytest.approx({"adam": 0.02})
+    assert merged.host["processes"] == "3"
+    two_batches = {b: {op.name: (1e-3, 2e-3) for op in mlp.ops} for b in (1, 4)}
+    whole = ModelTimes((1e-2, 2e-2), (2e-2, 4e-2), {}, mlp.param_bytes)
+    other = Profile.from_times(mlp, "CPU", (1, 4), two_batches, whole)
+    with pytest.raises(ValueError, match="does not match"):
+        median_profile([draws[0], other])
+    with pytest.raises(ValueError, match="at least one"):
+        median_profile([])
+
+
+def test_profiling_in_several_processes_merges_their_profiles(tmp_path, monkeypatch):
+    from tagps.strategy.profiles import build_profile
+
+    monkeypatch.setenv("TAGPS_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="processes"):
+        build_profile("mlp-mini", processes=0)
+    profile = build_profile("mlp-mini", batch_sizes=(1, 2), repeats=1, processes=2)
+    assert profile.host["processes"] == "2" and profile.model == "mlp-mini"
+    assert min(profile.whole.fwd_s) > 0 and profile.core_flops and profile.core_flops > 0
+    assert not list(tmp_path.glob("profile-*.json"))  # each process kept its op times in its own cache
+
+
 def test_the_roofline_is_the_fallback_and_is_reported(mlp):
     profile = synthetic(mlp)
     grouping, topo = one_group(mlp, CPU, DeviceGroup("gpu", "V100-32GB", 2, 100.0))
