@@ -275,7 +275,7 @@ class _Schedule:
         npred: list[int] = []
         names: list[_Label] = []
         self.dur, self.res, self.succ, self.npred, self.names = dur, res, succ, npred, names
-        self.step_tasks = 0  # tasks per step once :meth:`repeat` has run (0: one step)
+        self.step_tasks = 0  # tasks per step, set by :meth:`repeat`
 
         def add(d: float, r: tuple[int, ...], deps: Sequence[int], name: _Label) -> int:
             """Add a task of ``d`` seconds on resources ``r`` after ``deps``; return its id."""
@@ -1443,7 +1443,7 @@ class Simulator:
         sched = graph.sched
         n = len(self.dgroups)
         kinds = ("compute", "nic", "bus")
-        per_step = sched.step_tasks or len(sched.names)
+        per_step = sched.step_tasks  # > 0 whenever there is a task: _evaluate always repeats the step
         for t, (category, i, extra) in enumerate(sched.names):
             if not sched.res[t]:
                 continue
