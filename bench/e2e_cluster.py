@@ -30,7 +30,10 @@ Before calibrating, it profiles the calibration's models and these two on this h
 written to ``<out>-plans/profiles`` and used through ``TAGPS_CACHE_DIR``: the shipped profiles come from
 another host), and records, per run, the median step time of the best of the interleaved rounds (the
 machine is shared; the least disturbed round is the fairest), the calibrated simulator's prediction for the
-same plan and the ``tagps cluster run`` command that trained it. A job that fails is recorded under
+same plan and the ``tagps cluster run`` command that trained it. Each round first re-measures the
+simulator's inputs (the two models' profiles, into ``<out>-plans/round-<k>/profiles``, and the topology),
+and each run is predicted from its round's (``predicted_s``) and from the inputs its plan was searched
+with (``predicted_start_inputs_s``): the host's speed drifts in between. A job that fails is recorded under
 ``failed_runs`` with its command and the end of its output; the figures that need it are null.
 
 JSON figures (targets in ``TARGETS``; ratios of samples/s): ``vgg_general_vs_best_dp`` (target >= 1.3) and
@@ -40,10 +43,10 @@ DP plan over the best DP plan's (the larger of ``vgg_`` and ``transformer_execut
 1.05); ``*_plan_vs_dp_allreduce`` (target >= 1.3 for VGG), ``*_plan_vs_dp_proportional``, ``*_plan_vs_ps``
 and ``*_plan_vs_horovod``, where the plan is the best DP plan (as in earlier results), and
 ``*_general_vs_horovod``; and ``sim_abs_rel_error_mean`` / ``sim_abs_rel_error_max`` over every run but
-Horovod's (the simulator models its plan, not Horovod's fusion and cycle), general plans included (targets
-<= 0.10 / <= 0.20), with the calibration that ``python -m tagps.calibrate`` writes (fitted on whole jobs
-too); the same two with the calibration before that last fit (link micro-benchmarks only) are reported as
-``*_links_only``.
+Horovod's (the simulator models its plan, not Horovod's fusion and cycle), general plans included, from the
+round's inputs (targets <= 0.10 / <= 0.20; ``*_start_inputs`` from the search's), with the calibration
+that ``python -m tagps.calibrate`` writes (fitted on whole jobs too); the same two with the calibration
+before that last fit (link micro-benchmarks only) are reported as ``*_links_only``.
 """
 
 from __future__ import annotations
@@ -236,11 +239,36 @@ def _figures(runs: list[dict[str, Any]], predicted: dict[tuple[str, str], float]
         figures[f"{key}_plan_vs_ps"] = ratio(model, "best DP plan", "PS")
         figures[f"{key}_plan_vs_horovod"] = ratio(model, "best DP plan", "Horovod")
         figures[f"{key}_general_vs_horovod"] = ratio(model, "general plan", "Horovod")
-    for suffix, field in (("", "rel_error"), ("_links_only", "rel_error_links_only")):
+    for suffix, field in (
+        ("", "rel_error"),
+        ("_start_inputs", "rel_error_start_inputs"),
+        ("_links_only", "rel_error_links_only"),
+    ):
         errors = [abs(r[field]) for r in runs if r["runtime"] != "horovod"]
         figures[f"sim_abs_rel_error_mean{suffix}"] = sum(errors) / len(errors) if errors else None
         figures[f"sim_abs_rel_error_max{suffix}"] = max(errors, default=None)
     return figures
+
+
+def _profile(models: Sequence[str], folder: Path) -> dict[str, Any]:
+    """Profile ``models`` on this host into ``folder``/profiles (:data:`PROFILE_PROCESSES` processes each)
+    and return them by model; ``TAGPS_CACHE_DIR`` is ``folder`` afterwards."""
+    from tagps.strategy.profiles import build_profile, profile_path
+
+    profiles = {}
+    with tempfile.TemporaryDirectory() as scratch:  # profiling's op-time cache: not kept, never reused
+        os.environ["TAGPS_CACHE_DIR"] = scratch
+        for m in models:
+            profiles[m] = build_profile(m, processes=PROFILE_PROCESSES)
+            profiles[m].save(profile_path(m, "CPU", folder / "profiles"))
+    os.environ["TAGPS_CACHE_DIR"] = str(folder)
+    return profiles
+
+
+def _profile_step_s(profile: Any) -> float:
+    """A profile's whole step at its largest batch: forward, backward and Adam (drift across rounds)."""
+    whole = profile.whole
+    return whole.fwd_s[-1] + whole.bwd_s[-1] + whole.apply_s["adam"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -262,7 +290,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
-    from tagps.strategy.profiles import build_profile, profile_path
 
     try:
         spec = load_spec(BENCH_CLUSTER if args.cluster is None else args.cluster)
@@ -284,11 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = [f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.cli profile --model {m} "
                 f"--processes {PROFILE_PROCESSES}"
                 for m in profiled]  # fmt: skip
-    with tempfile.TemporaryDirectory() as scratch:  # profiling's op-time cache: not kept, never reused
-        os.environ["TAGPS_CACHE_DIR"] = scratch
-        for m in profiled:
-            build_profile(m, processes=PROFILE_PROCESSES).save(profile_path(m, "CPU", plans_dir / "profiles"))
-    os.environ["TAGPS_CACHE_DIR"] = str(plans_dir)
+    start_profiles = _profile(profiled, plans_dir)
     commands.append(f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.calibrate"
                     f"{' --quick' if args.quick else ''}")  # fmt: skip
     print("calibrating the simulator on this host ...", flush=True)
@@ -329,7 +352,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 job_commands[(key, name)] = job
                 commands.append(job_commands[(key, name)])
         best: dict[tuple[str, str], dict[str, Any]] = {}
+        best_round: dict[tuple[str, str], int] = {}
+        # Each round re-measures the simulator's inputs just before it (the op profiles of the two models
+        # and the cluster's topology): this host's speed drifts by 20-30 % over a run's 20 minutes
+        # (vgg-mini's profiled step, the 0.7-core machines' matmul rate), so each run is also predicted
+        # from its own round's inputs, next to the inputs the plans were searched with.
+        round_inputs: list[tuple[Any, dict[str, Any]]] = []
         for rnd in range(rounds):
+            print(f"round {rnd}: re-measuring the op profiles and the topology ...", flush=True)
+            round_profiles = _profile(list(MODELS.values()), plans_dir / f"round-{rnd}")
+            round_inputs.append((cluster.topology(), round_profiles))
+            os.environ["TAGPS_CACHE_DIR"] = str(plans_dir)
             for key, model in MODELS.items():
                 for name, runtime in strategies.items():
                     if (key, name) in failed:
@@ -358,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     held = best.get((key, name))
                     if held is None or result["median_step_s"] < held["median_step_s"]:
                         best[(key, name)] = result
+                        best_round[(key, name)] = rnd
         runs: list[dict[str, Any]] = []
         predicted: dict[tuple[str, str], float] = {}
         for key, model in MODELS.items():
@@ -365,14 +399,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             grouping = group_ops(graph, GROUPS)
             for name in strategies:
                 plan = plans[key][name]
-                predicted[(model, name)], links_predicted = (
-                    c.evaluate(c.simulator(graph, grouping, executor.topology), plan)
-                    for c in (cal, stages["links"])
-                )
+                predicted[(model, name)] = cal.evaluate(
+                    cal.simulator(graph, grouping, executor.topology), plan
+                )  # the inputs the plans were searched with
                 if (key, name) not in best:
                     continue
                 result = best[(key, name)]
                 measured = result["median_step_s"]
+                rnd = best_round[(key, name)]
+                topology, round_profiles = round_inputs[rnd]
+                round_cpu = {"CPU": round_profiles[model]}
+                now, links_predicted = (
+                    c.evaluate(c.simulator(graph, grouping, topology, profiles=round_cpu), plan)
+                    for c in (cal, stages["links"])
+                )
                 runs.append(
                     {
                         "model": model,
@@ -381,8 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "command": job_commands[(key, name)],
                         "plan": _describe(plan),
                         "measured_s": measured,
-                        "predicted_s": predicted[(model, name)],
-                        "rel_error": predicted[(model, name)] / measured - 1,
+                        "round": rnd,
+                        "predicted_s": now,
+                        "rel_error": now / measured - 1,
+                        "predicted_start_inputs_s": predicted[(model, name)],
+                        "rel_error_start_inputs": predicted[(model, name)] / measured - 1,
                         "predicted_links_only_s": links_predicted,
                         "rel_error_links_only": links_predicted / measured - 1,
                         "samples_per_s": BATCH / measured,
@@ -394,6 +437,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     }
                 )
         topology = executor.topology.to_dict()
+        inputs = [
+            {
+                "round": rnd,
+                "profiles": _shown(plans_dir / f"round-{rnd}" / "profiles"),
+                "profile_step_s": {m: _profile_step_s(p) for m, p in round_profiles.items()},
+                "peak_flops": {g.name: g.peak_flops for g in topo.groups if not g.server_only},
+                "topology": topo.to_dict(),
+            }
+            for rnd, (topo, round_profiles) in enumerate(round_inputs)
+        ]
+        start_inputs = {
+            "profile_step_s": {m: _profile_step_s(start_profiles[m]) for m in MODELS.values()},
+            "peak_flops": {g.name: g.peak_flops for g in executor.topology.groups if not g.server_only},
+        }
     figures = _figures(runs, predicted)
     failed_runs = list(failed.values())
     result = {
@@ -403,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cluster": spec.to_dict(),
         "cluster_file": _shown(spec_file),
         "topology_measured": topology,
+        "start_inputs": start_inputs,
+        "round_inputs": inputs,
         "calibration": cal.to_dict(),
         "calibration_links_only": stages["links"].to_dict(),
         "rounds": rounds,

@@ -10,7 +10,9 @@ measured step time, the prediction recorded then and the prediction now, and the
 ones the run made on its host, in ``<result>-plans/profiles`` (older results: found as ``tagps plan`` finds
 them, ``TAGPS_CACHE_DIR`` and then the shipped ones); ``--profiles DIR`` takes another run's instead (a
 folder holding ``profiles/``, such as another result's ``*-plans/``), to tell how much of an error is the
-profile's.
+profile's. A result whose rounds re-measured the simulator's inputs (``round_inputs``) is re-predicted from
+the inputs of each run's own round, as ``bench/e2e_cluster.py`` predicts it; ``--profiles`` overrides the
+profiles there too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.plan import load
+    from tagps.strategy.profiles import load_profile, profile_path
+    from tagps.strategy.topology import Topology
 
     plans = args.result.parent / f"{args.result.stem}-plans"
     if args.profiles is not None:
@@ -65,7 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A run made outside the repo names its plan where it was then; the committed copy is in `plans`.
         plan = load(recorded if recorded.is_file() else plans / recorded.name)
         graph = model_graph(run["model"])
-        predicted = cal.evaluate(cal.simulator(graph, group_ops(graph, GROUPS), plan.topology), plan)
+        topology, profiles = plan.topology, None
+        if "round_inputs" in data:  # this run's own round's topology and profiles
+            inputs = data["round_inputs"][run["round"]]
+            topology = Topology.from_dict(inputs["topology"])
+            folder = (args.profiles or plans / f"round-{run['round']}") / "profiles"
+            profiles = {"CPU": load_profile(profile_path(run["model"], "CPU", folder))}
+        sim = cal.simulator(graph, group_ops(graph, GROUPS), topology, profiles=profiles)
+        predicted = cal.evaluate(sim, plan)
         measured = run["measured_s"]
         error = predicted / measured - 1
         if run["runtime"] != "horovod":

@@ -52,6 +52,7 @@ from tagps.atomic import write_text_atomic
 from tagps.strategy.devices import DeviceType, device_type
 from tagps.strategy.graph import Graph
 from tagps.strategy.grouping import Grouping
+from tagps.strategy.profiles import Profile
 from tagps.strategy.simulator import HostCpu, Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
 
@@ -295,10 +296,18 @@ class Calibration:
             shm_copy_s_per_byte=2 / self.memory_bandwidth,
         )
 
-    def simulator(self, graph: Graph, grouping: Grouping, topology: Topology, seed: int = 0) -> Simulator:
+    def simulator(
+        self,
+        graph: Graph,
+        grouping: Grouping,
+        topology: Topology,
+        seed: int = 0,
+        profiles: dict[str, Profile] | None = None,
+    ) -> Simulator:
         """A :class:`Simulator` for ``topology`` with these constants (``seed``: the simulator's METIS seed).
 
-        Plans keep naming ``topology`` (the measured one); evaluate them with :meth:`evaluate`.
+        Plans keep naming ``topology`` (the measured one); evaluate them with :meth:`evaluate`. ``profiles``
+        (by device-type name) replace the ones the simulator finds itself (``Simulator``'s argument).
         """
         return Simulator(
             graph,
@@ -306,6 +315,7 @@ class Calibration:
             self.apply(topology),
             self.device_types(topology),
             seed=seed,
+            profiles=profiles,
             host_cpu=self.host_cpu(),
             cpu_core_flops=self.core_flops,
         )

@@ -264,6 +264,22 @@ def test_a_quotad_share_of_the_profiled_core_runs_the_profile_slower(mlp):
     }
 
 
+def test_a_calibrations_simulator_costs_compute_with_the_profiles_it_is_given(mlp):
+    # bench/e2e_cluster.py predicts each round's runs from that round's profiles: a calibrated simulator
+    # must use the profile passed in (twice as slow here: twice the times), not the one it finds itself.
+    from tagps.strategy.calibration import Calibration
+
+    cal = Calibration(160e9, 20e9, 0.6, 0.3, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
+    quota = DeviceGroup("slow", "CPU", 1, 10.0, peak_flops=40e9)
+    grouping, topo = one_group(mlp, quota)
+    fast, slow = synthetic(mlp), synthetic(mlp, scale=2.0)
+    sims = [cal.simulator(mlp, grouping, topo, profiles={"CPU": p}) for p in (fast, slow)]
+    assert [sim.compute_sources for sim in sims] == [{"CPU": "profile"}] * 2
+    (fwd, bwd), (slow_fwd, slow_bwd) = (sim.group_time(0, 0, 4.0) for sim in sims)
+    assert (slow_fwd, slow_bwd) == pytest.approx((2 * fwd, 2 * bwd), rel=1e-9)
+    assert cal.simulator(mlp, grouping, topo, profiles={}).compute_sources == {"CPU": "roofline"}
+
+
 def test_a_mismatched_profile_is_an_error_naming_the_op(mlp):
     grouping, topo = one_group(mlp, CPU)
     good = synthetic(mlp)
