@@ -390,9 +390,12 @@ def _run_profile(args: argparse.Namespace) -> int:
         )
         path = Path(args.output) if args.output else profile_path(profile.model, profile.device_type)
         profile.save(path)
-    except (ValueError, RuntimeError) as exc:  # RuntimeError: a profiling process failed
+    except ValueError as exc:  # bad input
         print(f"tagps profile: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a profiling process failed
+        print(f"tagps profile: {exc}", file=sys.stderr)
+        return 1
     # What the simulator would say without the profile: one device of that type, every op in one group.
     graph = model_graph(profile.model)
     one = Topology("profiled", (DeviceGroup("device", profile.device_type, 1, 1.0),), 1.0)

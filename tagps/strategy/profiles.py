@@ -104,6 +104,13 @@ class OpProfile:
         """Forward and backward seconds at ``batch`` samples."""
         return self.fwd_fit[0] + self.fwd_fit[1] * batch, self.bwd_fit[0] + self.bwd_fit[1] * batch
 
+    @classmethod
+    def fitted(
+        cls, name: str, batches: Sequence[int], fwd: tuple[float, ...], bwd: tuple[float, ...]
+    ) -> OpProfile:
+        """The op ``name`` measured at ``batches``, with the fits of those times."""
+        return cls(name, fwd, bwd, fit_linear(batches, fwd), fit_linear(batches, bwd))
+
 
 @dataclass(frozen=True)
 class ModelTimes:
@@ -320,7 +327,7 @@ class Profile:
                 raise ValueError(f"no time for op {op.name!r} of {graph.name} at batch sizes {missing}")
             fwd = tuple(times[b][op.name][0] for b in batches)
             bwd = tuple(times[b][op.name][1] for b in batches)
-            ops.append(OpProfile(op.name, fwd, bwd, fit_linear(batches, fwd), fit_linear(batches, bwd)))
+            ops.append(OpProfile.fitted(op.name, batches, fwd, bwd))
         peak = devices.device_type(device_type).peak_flops
         return cls(
             graph.name, device_type, peak, tuple(batches), tuple(ops), whole, core_flops, dict(host or {})
@@ -541,7 +548,7 @@ def median_profile(profiles: Sequence[Profile]) -> Profile:
     for i, op in enumerate(first.ops):
         fwd = tuple(statistics.median(p.ops[i].fwd_s[j] for p in profiles) for j in k)
         bwd = tuple(statistics.median(p.ops[i].bwd_s[j] for p in profiles) for j in k)
-        ops.append(OpProfile(op.name, fwd, bwd, fit_linear(batches, fwd), fit_linear(batches, bwd)))
+        ops.append(OpProfile.fitted(op.name, batches, fwd, bwd))
     whole = ModelTimes(
         tuple(statistics.median(p.whole.fwd_s[j] for p in profiles) for j in k),
         tuple(statistics.median(p.whole.bwd_s[j] for p in profiles) for j in k),

@@ -410,6 +410,17 @@ def test_cli_profile_errors_are_clear(capsys):
         assert "CUDA is not available on this machine" in capsys.readouterr().err
 
 
+def test_cli_profile_reports_a_failed_profiling_process_as_a_failure_not_bad_input(monkeypatch, capsys):
+    import tagps.strategy.profiles as profiles
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("profiling mlp-mini in process 2 of 3 failed: Killed")
+
+    monkeypatch.setattr(profiles, "build_profile", fail)
+    assert main(["profile", "--model", "mlp-mini", "--processes", "3", "--quiet"]) == 1
+    assert "process 2 of 3 failed: Killed" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("gpu", "gib", "expected"),
     [
