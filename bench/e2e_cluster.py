@@ -32,8 +32,9 @@ another host), and records, per run, the median step time of the best of the int
 machine is shared; the least disturbed round is the fairest), the calibrated simulator's prediction for the
 same plan and the ``tagps cluster run`` command that trained it. Each round first re-measures the
 simulator's inputs (the two models' profiles, into ``<out>-plans/round-<k>/profiles``, and the topology),
-and each run is predicted from its round's (``predicted_s``) and from the inputs its plan was searched
-with (``predicted_start_inputs_s``): the host's speed drifts in between. A job that fails is recorded under
+and each run is predicted from the median of every measurement, the start's included (``predicted_s``;
+the median profiles in ``<out>-plans/median/profiles``), and from the inputs its plan was searched with
+(``predicted_start_inputs_s``): one measurement on a shared host is a draw. A job that fails is recorded under
 ``failed_runs`` with its command and the end of its output; the figures that need it are null.
 
 JSON figures (targets in ``TARGETS``; ratios of samples/s): ``vgg_general_vs_best_dp`` (target >= 1.3) and
@@ -44,7 +45,7 @@ DP plan over the best DP plan's (the larger of ``vgg_`` and ``transformer_execut
 and ``*_plan_vs_horovod``, where the plan is the best DP plan (as in earlier results), and
 ``*_general_vs_horovod``; and ``sim_abs_rel_error_mean`` / ``sim_abs_rel_error_max`` over every run but
 Horovod's (the simulator models its plan, not Horovod's fusion and cycle), general plans included, from the
-round's inputs (targets <= 0.10 / <= 0.20; ``*_start_inputs`` from the search's), with the calibration
+median inputs (targets <= 0.10 / <= 0.20; ``*_start_inputs`` from the search's), with the calibration
 that ``python -m tagps.calibrate`` writes (fitted on whole jobs too); the same two with the calibration
 before that last fit (link micro-benchmarks only) are reported as ``*_links_only``.
 """
@@ -57,6 +58,7 @@ import importlib.util
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -265,6 +267,48 @@ def _profile(models: Sequence[str], folder: Path) -> dict[str, Any]:
     return profiles
 
 
+def _median_inputs(
+    topologies: Sequence[Any], profiles: dict[str, Sequence[Any]], folder: Path
+) -> tuple[Any, dict[str, Any]]:
+    """The median of several measurements of the simulator's inputs: of each device group's matmul rate and
+    loopback bandwidth, each link's bandwidth and the latencies over ``topologies`` (one cluster), and of
+    each model's ``profiles`` (:func:`~tagps.strategy.profiles.median_profile`, saved to
+    ``folder``/profiles)."""
+    from tagps.strategy.profiles import median_profile, profile_path
+
+    first = topologies[0]
+
+    def median(values: Any) -> float:
+        return statistics.median(list(values))
+
+    groups = tuple(
+        dataclasses.replace(
+            g,
+            intra_bandwidth_gbps=median(t.groups[i].intra_bandwidth_gbps for t in topologies),
+            peak_flops=median(t.groups[i].peak_flops for t in topologies),
+        )
+        if not g.server_only
+        else g
+        for i, g in enumerate(first.groups)
+    )
+    links = tuple(
+        dataclasses.replace(ln, bandwidth_gbps=median(t.links[i].bandwidth_gbps for t in topologies))
+        for i, ln in enumerate(first.links)
+    )
+    topology = dataclasses.replace(
+        first,
+        groups=groups,
+        links=links,
+        inter_bandwidth_gbps=median(t.inter_bandwidth_gbps for t in topologies),
+        intra_latency_s=median(t.intra_latency_s for t in topologies),
+        inter_latency_s=median(t.inter_latency_s for t in topologies),
+    )
+    medians = {m: median_profile(ps) for m, ps in profiles.items()}
+    for m, p in medians.items():
+        p.save(profile_path(m, "CPU", folder / "profiles"))
+    return topology, medians
+
+
 def _profile_step_s(profile: Any) -> float:
     """A profile's whole step at its largest batch: forward, backward and Adam (drift across rounds)."""
     whole = profile.whole
@@ -353,10 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 commands.append(job_commands[(key, name)])
         best: dict[tuple[str, str], dict[str, Any]] = {}
         best_round: dict[tuple[str, str], int] = {}
-        # Each round re-measures the simulator's inputs just before it (the op profiles of the two models
-        # and the cluster's topology): this host's speed drifts by 20-30 % over a run's 20 minutes
-        # (vgg-mini's profiled step, the 0.7-core machines' matmul rate), so each run is also predicted
-        # from its own round's inputs, next to the inputs the plans were searched with.
+        # Each round re-measures the simulator's inputs before it (the two models' op profiles and the
+        # topology). One measurement is a draw: the 0.7-core machines' matmul rate read 31-36 GFLOP/s across
+        # three topologies of one run, their loopback 15-19 Gbit/s. Runs are predicted from the median of
+        # every measurement, start included (_median_inputs), and also from the inputs of the search.
         round_inputs: list[tuple[Any, dict[str, Any]]] = []
         for rnd in range(rounds):
             print(f"round {rnd}: re-measuring the op profiles and the topology ...", flush=True)
@@ -394,6 +438,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         best_round[(key, name)] = rnd
         runs: list[dict[str, Any]] = []
         predicted: dict[tuple[str, str], float] = {}
+        median_topology, median_profiles = _median_inputs(
+            [executor.topology, *(t for t, _ in round_inputs)],
+            {m: [start_profiles[m], *(r[m] for _, r in round_inputs)] for m in MODELS.values()},
+            plans_dir / "median",
+        )
         for key, model in MODELS.items():
             graph = model_graph(model)
             grouping = group_ops(graph, GROUPS)
@@ -406,11 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 result = best[(key, name)]
                 measured = result["median_step_s"]
-                rnd = best_round[(key, name)]
-                topology, round_profiles = round_inputs[rnd]
-                round_cpu = {"CPU": round_profiles[model]}
+                median_cpu = {"CPU": median_profiles[model]}
                 now, links_predicted = (
-                    c.evaluate(c.simulator(graph, grouping, topology, profiles=round_cpu), plan)
+                    c.evaluate(c.simulator(graph, grouping, median_topology, profiles=median_cpu), plan)
                     for c in (cal, stages["links"])
                 )
                 runs.append(
@@ -421,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "command": job_commands[(key, name)],
                         "plan": _describe(plan),
                         "measured_s": measured,
-                        "round": rnd,
+                        "round": best_round[(key, name)],
                         "predicted_s": now,
                         "rel_error": now / measured - 1,
                         "predicted_start_inputs_s": predicted[(model, name)],
@@ -451,6 +498,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "profile_step_s": {m: _profile_step_s(start_profiles[m]) for m in MODELS.values()},
             "peak_flops": {g.name: g.peak_flops for g in executor.topology.groups if not g.server_only},
         }
+        median_inputs = {
+            "profiles": _shown(plans_dir / "median" / "profiles"),
+            "profile_step_s": {m: _profile_step_s(p) for m, p in median_profiles.items()},
+            "topology": median_topology.to_dict(),
+        }
     figures = _figures(runs, predicted)
     failed_runs = list(failed.values())
     result = {
@@ -462,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "topology_measured": topology,
         "start_inputs": start_inputs,
         "round_inputs": inputs,
+        "median_inputs": median_inputs,
         "calibration": cal.to_dict(),
         "calibration_links_only": stages["links"].to_dict(),
         "rounds": rounds,

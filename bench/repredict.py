@@ -10,9 +10,9 @@ measured step time, the prediction recorded then and the prediction now, and the
 ones the run made on its host, in ``<result>-plans/profiles`` (older results: found as ``tagps plan`` finds
 them, ``TAGPS_CACHE_DIR`` and then the shipped ones); ``--profiles DIR`` takes another run's instead (a
 folder holding ``profiles/``, such as another result's ``*-plans/``), to tell how much of an error is the
-profile's. A result whose rounds re-measured the simulator's inputs (``round_inputs``) is re-predicted from
-the inputs of each run's own round, as ``bench/e2e_cluster.py`` predicts it; ``--profiles`` overrides the
-profiles there too.
+profile's. A result that records the median of its measured inputs (``median_inputs``: the topology, and
+the profiles in ``<result>-plans/median``) is re-predicted from those, as ``bench/e2e_cluster.py`` predicts
+it; ``--profiles`` overrides the profiles there too.
 """
 
 from __future__ import annotations
@@ -70,10 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = load(recorded if recorded.is_file() else plans / recorded.name)
         graph = model_graph(run["model"])
         topology, profiles = plan.topology, None
-        if "round_inputs" in data:  # this run's own round's topology and profiles
-            inputs = data["round_inputs"][run["round"]]
-            topology = Topology.from_dict(inputs["topology"])
-            folder = (args.profiles or plans / f"round-{run['round']}") / "profiles"
+        if "median_inputs" in data:  # the median of the run's measured inputs
+            topology = Topology.from_dict(data["median_inputs"]["topology"])
+            folder = (args.profiles or plans / "median") / "profiles"
             profiles = {"CPU": load_profile(profile_path(run["model"], "CPU", folder))}
         sim = cal.simulator(graph, group_ops(graph, GROUPS), topology, profiles=profiles)
         predicted = cal.evaluate(sim, plan)

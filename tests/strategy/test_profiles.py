@@ -265,8 +265,8 @@ def test_a_quotad_share_of_the_profiled_core_runs_the_profile_slower(mlp):
 
 
 def test_a_calibrations_simulator_costs_compute_with_the_profiles_it_is_given(mlp):
-    # bench/e2e_cluster.py predicts each round's runs from that round's profiles: a calibrated simulator
-    # must use the profile passed in (twice as slow here: twice the times), not the one it finds itself.
+    # bench/e2e_cluster.py predicts its runs from the median of the profiles it measured: a calibrated
+    # simulator must use the profile passed in (twice as slow here: twice the times), not one it finds.
     from tagps.strategy.calibration import Calibration
 
     cal = Calibration(160e9, 20e9, 0.6, 0.3, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
