@@ -27,15 +27,13 @@ that ends on an end of its range is a failure of the cost model, not a fit: the 
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 
 The CPU that communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
-comes from six host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
+comes from five host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
 0 when not costed (a calibration without them predicts as before). Two are measured by micro-benchmarks:
 ``message_copies``, the memory passes per byte at ``memory_bandwidth`` that each side of a message costs
-(one side of a loopback TCP transfer), and the summation kernel's ``sum_bandwidth``. Four are what the
+(one side of a loopback TCP transfer), and the summation kernel's ``sum_bandwidth``. Three are what the
 runtimes add, fitted on whole jobs (:func:`fit_runs`): the ZeroMQ I/O thread's ``message_overhead_s`` per
-4 MB partition, ``collective_step_s``, the CPU of one ring step of a collective on each rank (at its
-share of a core), ``collective_step_kernel_s``, the part of a step that the quota does not slow (the
-kernel's network processing), and ``collective_call_s``, the CPU of launching one collective call (once
-per call, whatever the ring's size).
+4 MB partition, ``collective_step_s``, the CPU of one ring step of a collective on each rank, and
+``collective_call_s``, the CPU of launching one collective call (once per call, whatever the ring's size).
 A push to a server on the worker's own machine goes through shared memory: one copy, each byte read and
 written at ``memory_bandwidth`` (which counts both).
 """
@@ -190,15 +188,6 @@ class Calibration:
     collective_step_s: float = _host_cpu(
         "CPU time of one ring step of a collective on each rank, on one full core", 1e-6, 5e-3, "s"
     )
-    # The kernel's share of a ring step (TCP/IP in softirq, not charged to the quota): a few system calls'
-    # worth of packet processing at least; 5 ms of it per step is not a step's messages.
-    collective_step_kernel_s: float = _host_cpu(
-        "time of one ring step on each rank that the machine's CPU quota does not slow (the kernel's "
-        "network processing)",
-        1e-6,
-        5e-3,
-        "s",
-    )
     # A call is at least a framework dispatch (microseconds); 5 ms of CPU to launch one is not launching.
     collective_call_s: float = _host_cpu(
         "CPU time of launching and completing one collective call on each rank, on one full core",
@@ -303,7 +292,6 @@ class Calibration:
             sum_s_per_byte=1 / self.sum_bandwidth if self.sum_bandwidth else 0.0,
             message_s=self.message_overhead_s,
             collective_step_s=self.collective_step_s,
-            collective_step_kernel_s=self.collective_step_kernel_s,
             collective_call_s=self.collective_call_s,
             shm_copy_s_per_byte=2 / self.memory_bandwidth,
         )
@@ -578,10 +566,9 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
 
     The links keep the constants their all-reduce probes measured (:func:`fit_comm`); what a training
     job adds on top is CPU: each ring step's work on every rank (``collective_step_s``, which a quota'd
-    rank runs slowly, and ``collective_step_kernel_s``, which its quota does not slow), launching each
-    collective call (``collective_call_s``) and the ZeroMQ I/O per PS partition (``message_overhead_s``).
-    The runs must hold rings of more than one size, or steps and calls cannot be told apart, and ranks at
-    more than one share of a core, or the two parts of a step cannot. Minimises the squared
+    rank runs slowly), launching each collective call (``collective_call_s``) and the ZeroMQ I/O per PS
+    partition (``message_overhead_s``). The runs must hold rings of more than one size, or steps and calls
+    cannot be told apart. Minimises the squared
     log ratio of the calibrated simulator's iteration time to the measured one over ``runs``, inside the
     constants' physical ranges; a constant that stops on a bound shows in :attr:`Calibration.at_bound`.
 
@@ -595,8 +582,8 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         raise ValueError(f"fitting the runtimes' CPU constants needs at least 4 runs, got {len(runs)}")
     from scipy.optimize import least_squares
 
-    names = ("collective_step_s", "collective_step_kernel_s", "collective_call_s", "message_overhead_s")
-    units = (1e-3, 1e-3, 1e-3, 1e-3)  # fitted in milliseconds
+    names = ("collective_step_s", "collective_call_s", "message_overhead_s")
+    units = (1e-3, 1e-3, 1e-3)  # fitted in milliseconds
 
     def with_x(x: Sequence[float]) -> Calibration:
         return dataclasses.replace(start, **_constants(names, units, x))

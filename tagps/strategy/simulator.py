@@ -111,7 +111,6 @@ _HOST_CPU_COSTS = (
     "sum_s_per_byte",
     "message_s",
     "collective_step_s",
-    "collective_step_kernel_s",
     "collective_call_s",
     "shm_copy_s_per_byte",
 )
@@ -137,10 +136,6 @@ class HostCpu:
             step's time, which the wire's transfer of the step hides when it takes longer
             (:func:`ring_allreduce_time`). This is what makes many small all-reduces slow on a quota'd
             machine.
-        collective_step_kernel_s: per step of a collective, the seconds on each rank that its machine's
-            quota does not slow: the kernel's TCP/IP processing of the step's messages, which runs in
-            softirq and which CFS bandwidth control does not charge to the machine's cgroup. Added to the
-            step's CPU at full speed, whatever the rank's share.
         collective_call_s: per collective call (one tensor, or one fused bucket): launching it and waiting
             for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
             call whatever the ring's size; at the slowest member's share like ``collective_step_s``.
@@ -154,7 +149,6 @@ class HostCpu:
     sum_s_per_byte: float = 0.0
     message_s: float = 0.0
     collective_step_s: float = 0.0
-    collective_step_kernel_s: float = 0.0
     collective_call_s: float = 0.0
     shm_copy_s_per_byte: float = 0.0
 
@@ -965,9 +959,8 @@ class Simulator:
             for t, cores in zip(self.dtypes, self._cpu_cores, strict=True)
         ]
         step = host_cpu.collective_step_s if host_cpu is not None else 0.0
-        kernel = host_cpu.collective_step_kernel_s if host_cpu is not None else 0.0
         call = host_cpu.collective_call_s if host_cpu is not None else 0.0
-        self._step_s = [step * x + kernel if x else 0.0 for x in slowdown]
+        self._step_s = [step * x for x in slowdown]
         self._call_s = [call * x for x in slowdown]
         self.param_index = {name: i for i, name in enumerate(graph.params)}
         owner_op: dict[str, int] = {}
