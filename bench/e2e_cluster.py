@@ -254,16 +254,22 @@ def _figures(runs: list[dict[str, Any]], predicted: dict[tuple[str, str], float]
 
 def _profile(models: Sequence[str], folder: Path) -> dict[str, Any]:
     """Profile ``models`` on this host into ``folder``/profiles (:data:`PROFILE_PROCESSES` processes each)
-    and return them by model; ``TAGPS_CACHE_DIR`` is ``folder`` afterwards."""
+    and return them by model; ``TAGPS_CACHE_DIR`` is left as it was."""
     from tagps.strategy.profiles import build_profile, profile_path
 
     profiles = {}
+    cache = os.environ.get("TAGPS_CACHE_DIR")
     with tempfile.TemporaryDirectory() as scratch:  # profiling's op-time cache: not kept, never reused
         os.environ["TAGPS_CACHE_DIR"] = scratch
-        for m in models:
-            profiles[m] = build_profile(m, processes=PROFILE_PROCESSES)
-            profiles[m].save(profile_path(m, "CPU", folder / "profiles"))
-    os.environ["TAGPS_CACHE_DIR"] = str(folder)
+        try:
+            for m in models:
+                profiles[m] = build_profile(m, processes=PROFILE_PROCESSES)
+                profiles[m].save(profile_path(m, "CPU", folder / "profiles"))
+        finally:
+            if cache is None:
+                del os.environ["TAGPS_CACHE_DIR"]
+            else:
+                os.environ["TAGPS_CACHE_DIR"] = cache
     return profiles
 
 
@@ -309,10 +315,15 @@ def _median_inputs(
     return topology, medians
 
 
-def _profile_step_s(profile: Any) -> float:
-    """A profile's whole step at its largest batch: forward, backward and Adam (drift across rounds)."""
-    whole = profile.whole
-    return whole.fwd_s[-1] + whole.bwd_s[-1] + whole.apply_s["adam"]
+def _inputs_read(topology: Any, profiles: dict[str, Any]) -> dict[str, Any]:
+    """What one measurement of the simulator's inputs read: each profile's whole step at its largest batch
+    (forward, backward and Adam) and each worker machine's per-device matmul rate."""
+    return {
+        "profile_step_s": {
+            m: p.whole.fwd_s[-1] + p.whole.bwd_s[-1] + p.whole.apply_s["adam"] for m, p in profiles.items()
+        },
+        "peak_flops": {g.name: g.peak_flops for g in topology.groups if not g.server_only},
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--processes {PROFILE_PROCESSES}"
                 for m in profiled]  # fmt: skip
     start_profiles = _profile(profiled, plans_dir)
+    os.environ["TAGPS_CACHE_DIR"] = str(plans_dir)
     commands.append(f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.calibrate"
                     f"{' --quick' if args.quick else ''}")  # fmt: skip
     print("calibrating the simulator on this host ...", flush=True)
@@ -406,7 +418,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"round {rnd}: re-measuring the op profiles and the topology ...", flush=True)
             round_profiles = _profile(list(MODELS.values()), plans_dir / f"round-{rnd}")
             round_inputs.append((cluster.topology(), round_profiles))
-            os.environ["TAGPS_CACHE_DIR"] = str(plans_dir)
             for key, model in MODELS.items():
                 for name, runtime in strategies.items():
                     if (key, name) in failed:
@@ -488,19 +499,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "round": rnd,
                 "profiles": _shown(plans_dir / f"round-{rnd}" / "profiles"),
-                "profile_step_s": {m: _profile_step_s(p) for m, p in round_profiles.items()},
-                "peak_flops": {g.name: g.peak_flops for g in topo.groups if not g.server_only},
+                **_inputs_read(topo, round_profiles),
                 "topology": topo.to_dict(),
             }
             for rnd, (topo, round_profiles) in enumerate(round_inputs)
         ]
-        start_inputs = {
-            "profile_step_s": {m: _profile_step_s(start_profiles[m]) for m in MODELS.values()},
-            "peak_flops": {g.name: g.peak_flops for g in executor.topology.groups if not g.server_only},
-        }
+        start_inputs = _inputs_read(executor.topology, {m: start_profiles[m] for m in MODELS.values()})
         median_inputs = {
             "profiles": _shown(plans_dir / "median" / "profiles"),
-            "profile_step_s": {m: _profile_step_s(p) for m, p in median_profiles.items()},
+            **_inputs_read(median_topology, median_profiles),
             "topology": median_topology.to_dict(),
         }
     figures = _figures(runs, predicted)
