@@ -64,15 +64,16 @@ __all__ = [
     "profile_step",
 ]
 
-# Two emulated machines, neither like the benchmark's: two devices at 1 core, one device at a quarter of a
-# core. Their devices run at two shares of a core (0.5 and 0.25), so the job fit sees how a collective's
-# CPU scales with the share: at one share (cb at 0.5 cores before) the fitted collective_step_s predicted
-# bench/e2e_cluster.py's runs at |error| mean 0.111 and 0.158, at two 0.082 and 0.141.
+# Two emulated machines, neither like the benchmark's: three devices at 1 core, three at 0.75 cores. Their
+# devices run at two shares of a core (1/3 and 1/4), so the job fit sees how a collective's CPU scales with
+# the share, and their rings have 3 ranks (ca alone) and 6 (both), so it sees how the CPU grows with a
+# ring's steps: with rings of 2 and 3 ranks the fit extrapolated a 6-rank call to 3.8 ms of CPU, where
+# 38 back-to-back async all-reduces of 6 ranks measured 3.0 ms per call (process CPU time, each rank).
 CALIBRATION_CLUSTER = {
     "name": "calib",
     "machines": [
-        {"name": "ca", "workers": 2, "cpu": 1.0, "rate_mbit": 400},
-        {"name": "cb", "workers": 1, "cpu": 0.25, "rate_mbit": 400},
+        {"name": "ca", "workers": 3, "cpu": 1.0, "rate_mbit": 400},
+        {"name": "cb", "workers": 3, "cpu": 0.75, "rate_mbit": 400},
     ],
 }
 CALIBRATION_MODELS = ("mlp-mini", "convnet-mini", "encoder-mini")

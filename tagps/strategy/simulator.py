@@ -138,7 +138,9 @@ class HostCpu:
             machine.
         collective_call_s: per collective call (one tensor, or one fused bucket): launching it and waiting
             for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
-            call whatever the ring's size; at the slowest member's share like ``collective_step_s``.
+            call whatever the ring's size; at the slowest member's share like ``collective_step_s``. A PS
+            call does not pay it: its CPU is in its partitions' ``message_s`` (one message per partition
+            and call, so a separate per-call constant could not be told apart from it).
         shm_copy_s_per_byte: per byte copied into or out of the shared-memory region a worker shares with
             a server on its own machine (``TAGPS_PS_IPC``: one memcpy instead of a message's socket
             copies). 0: such a push is costed as a message like any other.
@@ -709,7 +711,6 @@ class _TaskGraph:
             per = self.layouts[i]
             members, n = sim._members(per)
             ar_sizes: list[int] = []
-            ps_tensors = 0
             ps_bytes: dict[int, list[float]] = {}  # server device group -> [bytes, tensors, partitions]
             sfb: list[str] = []
             for name in names:
@@ -720,7 +721,6 @@ class _TaskGraph:
                 if sync == "allreduce":
                     ar_sizes.append(params[name])
                 elif sync == "ps":
-                    ps_tensors += 1
                     servers = plan.ps_servers or gp.placement
                     ns = len(servers)
                     size = params[name]
@@ -772,10 +772,6 @@ class _TaskGraph:
                     t = add(seconds, (g,), deps, ("ps-cpu", i, g))
                     if g in per:
                         sync_done[g].append(t)
-            if ps_bytes and host:  # every rank launches and completes each call (a fused run is one)
-                calls = 1 if fusion else ps_tensors
-                for g, seconds in sim._call_cpu(members, calls):
-                    sync_done[g].append(add(seconds, (g,), deps, ("ps-cpu", i, g)))
             if sfb:
                 ring = sim._ring(members)
                 for name in sfb:
@@ -1192,15 +1188,6 @@ class Simulator:
                     nic[s] = nic.get(s, 0.0) + seconds
         partitions = sum(slot[2] for slot in ps_bytes.values())
         return max(nic.values(), default=0.0) * (1 + 1 / max(1, partitions))
-
-    def _call_cpu(self, members: dict[int, int], calls: int) -> list[tuple[int, float]]:
-        """``(device group, seconds)`` of its ranks launching and completing ``calls`` sync calls
-        (``HostCpu.collective_call_s`` each, per rank) on every costed member machine, at its cores."""
-        host, cores = self.host_cpu, self._cpu_cores
-        assert host is not None  # internal: only called with host_cpu set
-        if not host.collective_call_s:
-            return []
-        return [(g, m * calls * host.collective_call_s / cores[g]) for g, m in members.items() if cores[g]]
 
     def _ps_cpu(
         self, members: dict[int, int], server: int, nbytes: float, partitions: int
