@@ -19,7 +19,8 @@ run --plan``:
 - **DP all-reduce**: ``DistributedDataParallel`` over gloo on the three workers.
 
 Figures: ``plan_vs_dp_allreduce``, ``ps_vs_dp_allreduce`` and ``spare_ps_vs_dp_allreduce`` (ratios of the
-best rounds' median step times), the first with its prediction, ``plan_uses_cross_machine_ps``, and
+best rounds' mean step times, ``MEASURED_STEP``), the first with its prediction,
+``plan_uses_cross_machine_ps``, and
 ``sim_abs_rel_error_max``, the calibrated simulator's largest error over the strategies, each against its
 best round (issue 12 wants ``ps_plan_vs_dp_allreduce`` >= 1.3 predicted within 10 %, with the search
 picking PS on its own).
@@ -71,7 +72,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from tagps.calibrate import default_path
-    from tagps.cluster.experiment import Executor, ddp_plan, run_plan
+    from tagps.cluster.experiment import MEASURED_STEP, Executor, ddp_plan, run_plan
     from tagps.cluster.run import up
     from tagps.strategy.baselines import byteps_like
     from tagps.strategy.calibration import load_calibration
@@ -119,9 +120,9 @@ def main() -> int:
                 result = run_plan(executor, args.model, plan, runtime, steps=args.steps, warmup=2,
                                   env={"OMP_NUM_THREADS": "1"})  # fmt: skip
                 predicted = cal.evaluate(sim, plan)
-                runs.append({"round": rnd, "strategy": name, "measured_s": result["median_step_s"],
+                runs.append({"round": rnd, "strategy": name, "measured_s": result[MEASURED_STEP],
                              "predicted_s": predicted, "losses": result["losses"]})  # fmt: skip
-                print(f"round {rnd}: {name:<17} {result['median_step_s'] * 1e3:7.1f} ms measured, "
+                print(f"round {rnd}: {name:<17} {result[MEASURED_STEP] * 1e3:7.1f} ms measured, "
                       f"{predicted * 1e3:7.1f} ms predicted", flush=True)  # fmt: skip
     finally:
         cluster.down()

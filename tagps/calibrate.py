@@ -326,7 +326,7 @@ def _job_samples(executor: Any, models: Sequence[str], steps: int) -> list[RunSa
     """Whole training jobs on the calibration cluster: DDP, tagps all-reduce and tagps PS per model, and tagps
     all-reduce on the first machine alone: rings of two sizes, so that the CPU of a collective's steps and of
     its calls can be told apart (:func:`~tagps.strategy.calibration.fit_runs`)."""
-    from tagps.cluster.experiment import ddp_plan, run_plan
+    from tagps.cluster.experiment import MEASURED_STEP, ddp_plan, run_plan
     from tagps.strategy.baselines import byteps_like, data_parallel_plan, even_shares
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
@@ -353,7 +353,7 @@ def _job_samples(executor: Any, models: Sequence[str], steps: int) -> list[RunSa
         }
         for name, (plan, runtime) in plans.items():
             result = run_plan(executor, model, plan, runtime, steps=steps, warmup=2)
-            measured = result["median_step_s"]
+            measured = result[MEASURED_STEP]
             runs.append(RunSample(f"{model}/{name}", graph, grouping, executor.topology, plan, measured))
     return runs
 

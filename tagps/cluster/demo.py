@@ -37,7 +37,7 @@ class DemoRow:
     Args:
         strategy: its name.
         detail: devices and sync methods.
-        measured_s: median measured step time.
+        measured_s: mean measured step time (``MEASURED_STEP``).
         predicted_s: the calibrated simulator's prediction.
         loss_first: global loss of the first step.
         loss_last: global loss of the last step.
@@ -94,7 +94,7 @@ def demo(steps: int = 24, local: bool = False, log: Callable[[str], None] = prin
     """
     from tagps.calibrate import calibrate, default_path
     from tagps.cluster import ClusterError, check_support
-    from tagps.cluster.experiment import Executor, ddp_plan, local_executor, run_plan
+    from tagps.cluster.experiment import MEASURED_STEP, Executor, ddp_plan, local_executor, run_plan
     from tagps.strategy.calibration import load_calibration
     from tagps.strategy.gnn import load_prior
     from tagps.strategy.graph import model_graph
@@ -145,7 +145,7 @@ def demo(steps: int = 24, local: bool = False, log: Callable[[str], None] = prin
             result = run_plan(executor, MODEL, p, runtime, steps=steps, env={"OMP_NUM_THREADS": "1"})
             losses = result["losses"]
             predicted = cal.evaluate(sim, p)
-            measured = result["median_step_s"]
+            measured = result[MEASURED_STEP]
             rows.append(DemoRow(name, _describe(p), measured, predicted, losses[0], losses[-1]))
             log(f"  {name}: {len(losses)} steps done")
     finally:

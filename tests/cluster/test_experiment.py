@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 
 from tagps.cluster.experiment import (
     DDP_BUCKET_BYTES,
+    MEASURED_STEP,
     Executor,
     ddp_plan,
     ddp_subset_plans,
@@ -79,6 +81,8 @@ def test_a_ps_plan_trains_as_local_processes() -> None:
     assert result["devices"] == ["local:0", "local:1"] and result["batch_size"] == 8
     assert len(result["step_times_s"]) == 2 and len(result["losses"]) == 3
     assert result["samples_per_s"] == pytest.approx(8 / result["mean_step_s"])
+    # What predictions are compared with: the mean of the step times, the throughput.
+    assert result[MEASURED_STEP] == pytest.approx(statistics.mean(result["step_times_s"]))
 
 
 @pytest.mark.timeout(240)
