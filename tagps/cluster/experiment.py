@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DDP_BUCKET_BYTES",
-    "Executor",
     "MEASURED_STEP",
+    "Executor",
     "ddp_plan",
     "ddp_subset_plans",
     "local_executor",
