@@ -14,14 +14,23 @@ in × out: fully connected layers with small per-worker batches. The bias is sum
 Factors are recorded by a process-wide module forward hook (no model reference needed) and by a tensor
 hook on the layer's output; calls of the same layer within one step, or over several backward passes,
 are concatenated, which keeps the result exact.
+
+The local gradient :math:`G^\top X` of an SFB weight is never used (the rebuilt sum replaces it), so from the
+second step on the layer skips it: once the first step has checked that the factors give the weight's whole
+gradient, each ``nn.Linear`` that called the weight runs :class:`_FactoredLinear`, which gives the input and
+the bias their gradients, records the output gradient, and hands the weight none. That saves one
+rows × in × out matmul per call, the work the simulator never charges for an SFB weight.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tagps.comm import collectives
@@ -55,21 +64,57 @@ class SufficientFactors:
         # id(weight) -> list of [input rows, output-gradient rows or None]
         self._factors: dict[int, list[list[torch.Tensor | None]]] = {}
         self._checked: set[int] = set()
+        # id(weight) -> the Linear modules that called it with the full backward (not yet factored)
+        self._callers: dict[int, weakref.WeakSet[nn.Linear]] = {}
+        self._factored: weakref.WeakSet[nn.Linear] = weakref.WeakSet()
+        self._outside: dict[int, Any] = {}  # id(weight) -> the hook that refuses gradient from elsewhere
         self._hook = nn.modules.module.register_module_forward_hook(_make_hook(weakref.ref(self)))
 
     def close(self) -> None:
-        """Stop recording (removes the process-wide forward hook)."""
+        """Stop recording: remove the forward hook and give the factored layers their own forward back."""
         self._hook.remove()
+        for module in list(self._factored):
+            module.__dict__.pop("forward", None)
+        for handle in self._outside.values():
+            handle.remove()
+        self._factored = weakref.WeakSet()
+        self._outside.clear()
         self._factors.clear()
 
     def clear(self) -> None:
-        """Forget recorded factors (after a step, or after a forward pass that had no backward)."""
+        """Forget recorded factors (after a step, or after a forward pass that had no backward).
+
+        Layers whose weight passed the first step's check skip their weight's local gradient from now on.
+        """
         self._factors.clear()
+        for wid, modules in self._callers.items():
+            if wid in self._checked:
+                for module in list(modules):
+                    self._factor(module)
+        self._callers = {wid: m for wid, m in self._callers.items() if wid not in self._checked}
+
+    def _factor(self, module: nn.Linear) -> None:
+        """Make ``module`` run :class:`_FactoredLinear`, unless it overrides ``nn.Linear.forward``."""
+        if type(module).forward is not nn.Linear.forward or module in self._factored:
+            return
+        module.forward = _FactoredForward(self, module)  # type: ignore[method-assign]
+        self._factored.add(module)
+        weight = module.weight
+        if id(weight) not in self._outside:
+            self._outside[id(weight)] = weight.register_hook(
+                functools.partial(_refuse_outside_gradient, weakref.ref(self), self._names[id(weight)])
+            )
+
+    def _slot(self, module: nn.Linear, x: torch.Tensor) -> list[torch.Tensor | None]:
+        slot: list[torch.Tensor | None] = [x.detach().reshape(-1, module.in_features), None]
+        self._factors.setdefault(id(module.weight), []).append(slot)
+        return slot
 
     def _record(self, module: nn.Module, inputs: tuple[object, ...], output: object) -> None:
         weight = getattr(module, "weight", None)
         if (
             not isinstance(module, nn.Linear)
+            or module in self._factored
             or weight is None
             or id(weight) not in self._names
             or not isinstance(output, torch.Tensor)
@@ -78,8 +123,8 @@ class SufficientFactors:
             return
         x = inputs[0]
         assert isinstance(x, torch.Tensor)
-        slot: list[torch.Tensor | None] = [x.detach().reshape(-1, module.in_features), None]
-        self._factors.setdefault(id(weight), []).append(slot)
+        slot = self._slot(module, x)
+        self._callers.setdefault(id(weight), weakref.WeakSet()).add(module)
         out_features = module.out_features
 
         def keep_grad(grad: torch.Tensor) -> None:
@@ -150,6 +195,72 @@ class SufficientFactors:
             return weight.grad
 
         return Handle([work], finish, keep=(packed,))
+
+
+class _FactoredLinear(torch.autograd.Function):
+    """:math:`y = x W^\top + b` whose backward records the output gradient and gives ``W`` none.
+
+    ``W`` still enters as an input that requires grad, so its post-accumulate hook fires when the call's
+    backward is done (with nothing accumulated): the gradient sync starts exactly as for a full backward.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slot: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.slot = slot
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:  # type: ignore[override]
+        (weight,) = ctx.saved_tensors
+        rows = grad.reshape(-1, weight.shape[0])
+        ctx.slot[1] = rows.detach()
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_bias = rows.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias, None
+
+
+class _FactoredForward:
+    """The ``forward`` of a factored ``nn.Linear``: :class:`_FactoredLinear` while its recorder lives.
+
+    Holds both weakly (no cycle through the module), and pickles or deep-copies as the plain
+    ``nn.Linear.forward`` of the copy, so ``torch.save(model)`` and ``copy.deepcopy`` keep working.
+    """
+
+    def __init__(self, recorder: SufficientFactors, module: nn.Linear) -> None:
+        self._recorder = weakref.ref(recorder)
+        self._module = weakref.ref(module)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module, recorder = self._module(), self._recorder()
+        assert module is not None  # it holds this object
+        if recorder is None or not torch.is_grad_enabled() or id(module.weight) not in recorder._names:
+            return nn.Linear.forward(module, x)  # no recorder, no backward, or a weight replaced since
+        return _FactoredLinear.apply(x, module.weight, module.bias, recorder._slot(module, x))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return functools.partial, (nn.Linear.forward, self._module())
+
+
+def _refuse_outside_gradient(
+    ref: Callable[[], SufficientFactors | None], name: str, grad: torch.Tensor | None
+) -> None:
+    """Hook on a factored weight: its Linear calls add nothing, so any gradient comes from another use.
+
+    Once the recorder is gone (never closed, e.g. with a dropped ``DistributedModel``), the layers run their
+    own forward again and the hook lets every gradient through.
+    """
+    if grad is not None and ref() is not None:
+        raise SFBNotApplicable(
+            f"{name!r} gets gradient from outside its nn.Linear calls (tied or shared weights?), so its "
+            "sufficient factors do not give its gradient. Use allreduce or ps for it."
+        )
 
 
 def _make_hook(ref: Callable[[], SufficientFactors | None]) -> Callable[..., None]:

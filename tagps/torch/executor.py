@@ -118,11 +118,13 @@ class _Bucketer:
         self.units, self.method, self.keys, self.priority = sync.units, sync.method, sync.keys, sync.priority
         self.group, self.ps, self.sfb, self.overlap = group, ps, sfb, overlap
         self.ready: set[nn.Parameter] = set()
+        self.arrived: set[nn.Parameter] = set()  # parameters whose backward ran this step
         self.next = 0
         self.handles: list[Handle] = []
         self.flat: dict[int, FlatBucket] = {}
 
     def on_grad(self, p: nn.Parameter) -> None:
+        self.arrived.add(p)
         self.ready.add(p)
         if self.overlap:
             self._drain()
@@ -140,6 +142,7 @@ class _Bucketer:
         finally:
             self.handles.clear()
             self.ready.clear()
+            self.arrived.clear()
             self.next = 0
             if self.sfb is not None:
                 self.sfb.clear()
@@ -162,7 +165,8 @@ class _Bucketer:
         if method == "sfb":
             assert self.sfb is not None
             p = unit[0]
-            return self.sfb.start(p, 1.0, backward_ran=p.grad is not None, group=self.group)
+            # p.grad cannot tell: a factored Linear leaves it as it was (sufficient_factors.py)
+            return self.sfb.start(p, 1.0, backward_ran=p in self.arrived, group=self.group)
         if len(unit) == 1:
             p = unit[0]
             if p.grad is None:
