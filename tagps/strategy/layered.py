@@ -32,24 +32,30 @@ def layered_paths(
         width: suffix layouts among the ``width`` fastest data-parallel subsets, with ``allreduce`` or ``ps``.
         prefixes: prefix layouts among the ``prefixes`` fastest data-parallel subsets and the ``prefixes``
             largest subsets (the trick replicates the front on many devices, even where replicating the
-            whole model there is slow).
+            whole model there is slow), with ``allreduce`` or ``ps``: a front spread over many machines
+            syncs its gradients cheaper through servers on each of them (vgg19 on paper-cloud: 208.7 ms
+            with a ``ps`` front against 234.2 with an ``allreduce`` one, the classifier on one machine).
 
     Returns:
         One path per (prefix layout, different suffix layout, cut between op groups ``c - 1`` and ``c``):
-        at most ``2 * prefixes * 2 * width * (groups - 1)`` paths.
+        at most ``2 * prefixes * 2 * 2 * width * (groups - 1)`` paths.
     """
     replicate = [i for i, (_, option) in enumerate(actions) if option == "allreduce"]
     ranked = sorted(replicate, key=lambda i: (dp_time(i), i))
     ranked = [i for i in ranked if dp_time(i) < float("inf")]
     index = {a: i for i, a in enumerate(actions)}
-    suffixes = []
-    for i in ranked[:width]:
-        subset = actions[i][0]
-        suffixes += [i] + ([index[(subset, "ps")]] if (subset, "ps") in index else [])
+
+    def with_ps(i: int) -> list[int]:
+        """Replicated action ``i`` and its subset's ``ps`` action, when there is one."""
+        ps = index.get((actions[i][0], "ps"))
+        return [i] if ps is None else [i, ps]
+
+    suffixes = [a for i in ranked[:width] for a in with_ps(i)]
     paths = []
     groups = len(order)
     widest = sorted(ranked, key=lambda i: (-len(actions[i][0]), dp_time(i), i))[:prefixes]
-    for first in dict.fromkeys(ranked[:prefixes] + widest):
+    firsts = [a for i in dict.fromkeys(ranked[:prefixes] + widest) for a in with_ps(i)]
+    for first in firsts:
         for second in suffixes:
             if actions[second][0] == actions[first][0]:
                 continue

@@ -17,9 +17,11 @@ def test_paths_cut_between_a_front_layout_and_a_different_back_layout() -> None:
     times = {0: 1.0, 1: 2.0, 2: 3.0}
     order = (2, 0, 1)
     paths = layered_paths(actions, order, dp_time=lambda i: times.get(i, math.inf), width=3, prefixes=1)
-    # prefixes: the fastest subset (0,) and the widest (0, 1); suffixes: every other replicated layout
-    assert len(paths) == len(set(paths)) == (3 + 2) * 2
+    # prefixes: the fastest subset (0,) and the widest (0, 1), the latter with allreduce and with ps;
+    # suffixes: every replicated layout of another subset
+    assert len(paths) == len(set(paths)) == (3 + 2 + 2) * 2
     assert (0, 2, 2) in paths  # levels decide op groups 2, 0, 1: front (0, 1) on ((0, 1), allreduce) ...
+    assert (0, 3, 3) in paths  # ... and on ((0, 1), ps), back on (0,)
     for path in paths:
         front, back = path[1], path[0]  # op group 0 and op group 2
         assert front != back and actions[front][0] != actions[back][0]
