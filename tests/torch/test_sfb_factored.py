@@ -64,6 +64,14 @@ def test_factored_layers_train_like_torch(world_of_one: None) -> None:
     out = model.mid(torch.randn(2, 5, requires_grad=True))
     assert type(out.grad_fn).__name__ == "_FactoredLinearBackward"
     assert type(model.inp(torch.randn(2, 6)).grad_fn).__name__ == "_FactoredLinearBackward"
+    # The weight's post-accumulate hook, which starts its sync during backward, still fires once a pass.
+    fired: list[bool] = []
+    handle = model.mid.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad is None))
+    model.mid.weight.grad = None
+    model(torch.randn(4, 6)).sum().backward()
+    handle.remove()
+    assert fired == [True]  # and nothing was accumulated into the weight
+    opt.synchronize()
     del opt  # closing the recorder gives the layers their own forward back
     assert type(model.mid(torch.randn(2, 5)).grad_fn).__name__ == "AddmmBackward0"
     model.zero_grad()
