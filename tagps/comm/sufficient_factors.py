@@ -87,11 +87,9 @@ class SufficientFactors:
         Layers whose weight passed the first step's check skip their weight's local gradient from now on.
         """
         self._factors.clear()
-        for wid, modules in self._callers.items():
-            if wid in self._checked:
-                for module in list(modules):
-                    self._factor(module)
-        self._callers = {wid: m for wid, m in self._callers.items() if wid not in self._checked}
+        for wid in [w for w in self._callers if w in self._checked]:
+            for module in list(self._callers.pop(wid)):
+                self._factor(module)
 
     def _factor(self, module: nn.Linear) -> None:
         """Make ``module`` run :class:`_FactoredLinear`, unless it overrides ``nn.Linear.forward``."""
@@ -102,7 +100,7 @@ class SufficientFactors:
         weight = module.weight
         if id(weight) not in self._outside:
             self._outside[id(weight)] = weight.register_hook(
-                functools.partial(_refuse_outside_gradient, weakref.ref(self), self._names[id(weight)])
+                functools.partial(_refuse_outside_gradient, weakref.ref(self), id(weight))
             )
 
     def _slot(self, module: nn.Linear, x: torch.Tensor) -> list[torch.Tensor | None]:
@@ -249,17 +247,20 @@ class _FactoredForward:
 
 
 def _refuse_outside_gradient(
-    ref: Callable[[], SufficientFactors | None], name: str, grad: torch.Tensor | None
+    ref: Callable[[], SufficientFactors | None], wid: int, grad: torch.Tensor | None
 ) -> None:
-    """Hook on a factored weight: its Linear calls add nothing, so any gradient comes from another use.
+    """Hook on a factored weight: its factored calls add nothing, so a gradient comes from another use,
+    unless a Linear not factored yet called the weight in this step (its factors are recorded; the step's
+    end factors it).
 
     Once the recorder is gone (never closed, e.g. with a dropped ``DistributedModel``), the layers run their
     own forward again and the hook lets every gradient through.
     """
-    if grad is not None and ref() is not None:
+    recorder = ref()
+    if grad is not None and recorder is not None and wid not in recorder._callers:
         raise SFBNotApplicable(
-            f"{name!r} gets gradient from outside its nn.Linear calls (tied or shared weights?), so its "
-            "sufficient factors do not give its gradient. Use allreduce or ps for it."
+            f"{recorder._names[wid]!r} gets gradient from outside its nn.Linear calls (tied or shared "
+            "weights?), so its sufficient factors do not give its gradient. Use allreduce or ps for it."
         )
 
 

@@ -91,6 +91,41 @@ def test_factored_model_pickles_and_copies(world_of_one: None) -> None:
         torch.testing.assert_close(clone(torch.ones(1, 6)), model(torch.ones(1, 6)))
 
 
+class LateSharer(TwoCalls):
+    """From the second step on, a second Linear calls ``mid``'s weight: a sharing step 1 never saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.again = nn.Linear(5, 5)
+        self.again.weight = self.mid.weight
+        self.share = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + self.again(torch.tanh(self.mid(self.inp(x)))).sum(1, keepdim=True) if self.share else y
+
+
+def test_a_linear_sharing_a_factored_weight_later_trains_like_torch(world_of_one: None) -> None:
+    def train(distributed: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = LateSharer()
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: a zero
+        if distributed:  # gradient (tagps, again.bias in step 1) and none (torch) leave a parameter alike
+            opt = bps.DistributedOptimizer(
+                opt, named_parameters=model.named_parameters(), strategy={"default": "sfb"}
+            )
+        torch.manual_seed(1)
+        for step in range(3):
+            model.share = step > 0
+            opt.zero_grad()
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+        return model
+
+    for (name, p), q in zip(train(True).named_parameters(), train(False).parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_gradient_from_outside_after_first_step_is_refused(world_of_one: None) -> None:
     model = _fresh()
     opt = bps.DistributedOptimizer(
