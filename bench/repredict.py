@@ -1,6 +1,6 @@
 """Re-predict the runs of a committed ``bench/e2e_cluster.py`` result with the simulator as it is now.
 
-Usage: python bench/repredict.py [RESULT_JSON] [--calibration FILE] [--profiles DIR]
+Usage: python bench/repredict.py [RESULT_JSON] [--calibration FILE] [--profiles DIR] [--refit]
 
 The fast way to iterate on the cost model: the measured step times, the plans (with the measured topology
 inside them) and the calibration are all in the result and its ``*-plans/`` folder, so a change to the
@@ -12,7 +12,9 @@ them, ``TAGPS_CACHE_DIR`` and then the shipped ones); ``--profiles DIR`` takes a
 folder holding ``profiles/``, such as another result's ``*-plans/``), to tell how much of an error is the
 profile's. A result that records the median of its measured inputs (``median_inputs``: the topology, and
 the profiles in ``<result>-plans/median``) is re-predicted from those, as ``bench/e2e_cluster.py`` predicts
-it; ``--profiles`` overrides the profiles there too.
+it; ``--profiles`` overrides the profiles there too. ``--refit`` refits the calibration's runtime CPU
+constants on the jobs it recorded (``job_runs``) before predicting: the way to check a change to the CPU
+cost model, whose constants were fitted under the old one.
 """
 
 from __future__ import annotations
@@ -39,11 +41,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--profiles", type=Path, help="a folder holding profiles/ (another result's *-plans/) instead",
     )
+    parser.add_argument(
+        "--refit", action="store_true", help="first refit the calibration's runtime CPU constants on the "
+        "jobs it recorded, with the simulator as it is now (`python -m tagps.calibrate --refit`)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.profiles is not None and not (args.profiles / "profiles").is_dir():
         parser.error(f"--profiles {args.profiles}: no profiles/ folder in it")
 
-    from tagps.strategy.calibration import Calibration, load_calibration
+    from tagps.strategy.calibration import Calibration, load_calibration, refit_runs
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.plan import load
@@ -59,6 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cal = (
         load_calibration(args.calibration) if args.calibration else Calibration.from_dict(data["calibration"])
     )
+    if args.refit:
+        try:
+            cal = refit_runs(cal)
+        except ValueError as exc:
+            parser.error(f"--refit: {exc}")
+        print(f"refitted on {len(cal.job_runs)} recorded jobs (mean error {cal.fit_error['jobs']:.1%}): "
+              f"collective step {cal.collective_step_s * 1e6:.0f} us, "
+              f"call {cal.collective_call_s * 1e6:.0f} us, "
+              f"PS message {cal.message_overhead_s * 1e6:.0f} us")  # fmt: skip
     then: list[float] = []
     now: list[float] = []
     row = "{:<17} {:<18} {:>9} {:>9} {:>9} {:>9} {:>8}"

@@ -48,6 +48,8 @@ from tagps.strategy.calibration import (
     fit_comm,
     fit_compute,
     fit_runs,
+    load_calibration,
+    refit_runs,
 )
 
 __all__ = [
@@ -505,12 +507,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer batch sizes, repetitions and jobs")
     p.add_argument("--no-cluster", action="store_true", help="measure loopback links only")
     p.add_argument("--no-jobs", action="store_true", help="skip the fit on whole training jobs")
+    p.add_argument(
+        "--refit", metavar="FILE", help="measure nothing: refit FILE's runtime CPU constants on the jobs it "
+        "recorded, with the simulator as it is now (written to --out, default FILE)"
+    )  # fmt: skip
     p.add_argument("--out", help="calibration file (default: $TAGPS_CACHE_DIR/calibration.json)")
     p.add_argument("--allreduce-probe", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.allreduce_probe:
         _allreduce_probe(args.allreduce_probe, args.reps)
+        return 0
+    if args.refit:
+        try:
+            before = load_calibration(args.refit)
+            cal = refit_runs(before)
+        except ValueError as exc:
+            p.exit(2, f"python -m tagps.calibrate --refit: {exc}\n")
+        for name in ("collective_step_s", "collective_call_s", "message_overhead_s"):
+            print(f"{name:<20} {getattr(before, name) * 1e6:9.1f} us -> {getattr(cal, name) * 1e6:9.1f} us")
+        print(f"job fit on {len(cal.job_runs)} recorded runs: mean error "
+              f"{before.fit_error.get('jobs', float('nan')):.1%} -> {cal.fit_error['jobs']:.1%}")  # fmt: skip
+        for line in cal.bound_warnings():
+            print(line)
+        path = Path(args.out or args.refit)
+        cal.save(path)
+        print(f"calibration written to {path}")
         return 0
     cal = calibrate(args.quick, not args.no_cluster, not args.no_jobs)
     path = Path(args.out) if args.out else default_path()

@@ -50,8 +50,9 @@ from typing import Any
 
 from tagps.atomic import write_text_atomic
 from tagps.strategy.devices import DeviceType, device_type
-from tagps.strategy.graph import Graph
-from tagps.strategy.grouping import Grouping
+from tagps.strategy.graph import Graph, model_graph
+from tagps.strategy.grouping import Grouping, grouping_from_names
+from tagps.strategy.plan import Plan
 from tagps.strategy.profiles import Profile
 from tagps.strategy.simulator import HostCpu, Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
@@ -69,6 +70,7 @@ __all__ = [
     "fit_compute",
     "fit_runs",
     "load_calibration",
+    "refit_runs",
     "single_device_time",
 ]
 
@@ -195,6 +197,9 @@ class Calibration:
         5e-3,
         "s",
     )
+    # The whole jobs the last three were fitted on (RunSample.to_dict), so that a change to the cost model
+    # is refitted on the same measurements (refit_runs) instead of rerunning them.
+    job_runs: tuple[dict[str, Any], ...] = ()
     at_bound: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -329,6 +334,7 @@ class Calibration:
         """Return the JSON-ready form (what :meth:`from_dict` reads back to an equal object)."""
         data = dataclasses.asdict(self)
         data["calibration_set"] = list(self.calibration_set)
+        data["job_runs"] = list(self.job_runs)
         data["at_bound"] = list(self.at_bound)  # derived: written for readers, recomputed on load
         return {"version": CALIBRATION_VERSION, **data}
 
@@ -343,12 +349,16 @@ class Calibration:
             )
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         body = {k: v for k, v in data.items() if k not in ("version", "at_bound")}
-        optional = {"fit_error", "calibration_set", *HOST_CPU}  # host-CPU ones default to 0: not costed
+        optional = {"fit_error", "calibration_set", "job_runs", *HOST_CPU}  # host-CPU ones: 0, not costed
         unknown, missing = set(body) - names, names - set(body) - optional
         if unknown or missing:
             raise ValueError(f"calibration: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         body["calibration_set"] = tuple(body.get("calibration_set", ()))
         body["fit_error"] = dict(body.get("fit_error", {}))
+        runs = body.get("job_runs", [])
+        if not isinstance(runs, list) or not all(isinstance(r, Mapping) for r in runs):
+            raise ValueError("calibration: job_runs must be a list of recorded runs (objects)")
+        body["job_runs"] = tuple(dict(r) for r in runs)
         return cls(**body)
 
     def save(self, path: str | Path) -> None:
@@ -560,6 +570,32 @@ class RunSample:
     plan: Any
     measured_s: float
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready record (:attr:`Calibration.job_runs`): the plan, naming :attr:`topology`, holds
+        the model, the op groups and the measured topology."""
+        plan = dataclasses.replace(self.plan, topology=self.topology)
+        return {"name": self.name, "plan": plan.to_dict(), "measured_s": self.measured_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunSample:
+        """Rebuild a sample from :meth:`to_dict`'s record (traces the plan's model: needs torch).
+
+        Raises:
+            ValueError: the record is malformed, or its plan does not fit its model's graph.
+        """
+        try:
+            name, measured, plan = str(data["name"]), float(data["measured_s"]), Plan.from_dict(data["plan"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a recorded job run needs name, plan and measured_s: {exc}") from None
+        if not 0 < measured < float("inf"):
+            raise ValueError(f"recorded job run {name!r}: measured_s must be positive, got {measured!r}")
+        graph = model_graph(plan.model)
+        grouping = grouping_from_names(graph, [g.ops for g in plan.groups])
+        return cls(name, graph, grouping, plan.topology, plan, measured)
+
+
+_RUNTIME_CPU = ("collective_step_s", "collective_call_s", "message_overhead_s")  # what fit_runs fits
+
 
 def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration, float]:
     """Fit what the runtimes add to communication, on whole training jobs.
@@ -582,7 +618,7 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         raise ValueError(f"fitting the runtimes' CPU constants needs at least 4 runs, got {len(runs)}")
     from scipy.optimize import least_squares
 
-    names = ("collective_step_s", "collective_call_s", "message_overhead_s")
+    names = _RUNTIME_CPU
     units = (1e-3, 1e-3, 1e-3)  # fitted in milliseconds
 
     def with_x(x: Sequence[float]) -> Calibration:
@@ -598,6 +634,25 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
     # Start inside the ranges (0 means not costed yet): 50 us is a Python-level message.
     x0 = [(getattr(start, n) or 50e-6) / u for n, u in zip(names, units, strict=True)]
     fit = least_squares(residuals, x0, bounds=_box(names, units), diff_step=0.05)
-    cal = with_x(fit.x)
+    cal = dataclasses.replace(with_x(fit.x), job_runs=tuple(r.to_dict() for r in runs))
     errors = [abs(predict(cal, r) / r.measured_s - 1) for r in runs]
     return cal, sum(errors) / len(errors)
+
+
+def refit_runs(cal: Calibration) -> Calibration:
+    """Refit ``cal``'s runtime CPU constants on the jobs it recorded, with the simulator as it is now.
+
+    Returns:
+        The refitted calibration (``fit_error["jobs"]`` updated).
+
+    Raises:
+        ValueError: ``cal`` recorded no jobs (made before they were recorded, or with ``--no-jobs``).
+    """
+    if not cal.job_runs:
+        raise ValueError(
+            "the calibration recorded no job runs to refit on; run `python -m tagps.calibrate` (with jobs)"
+        )
+    # From the start the calibration's own fit had (not costed yet), so a refit is that fit, reproduced.
+    start = dataclasses.replace(cal, **dict.fromkeys(_RUNTIME_CPU, 0.0))
+    refitted, error = fit_runs(start, [RunSample.from_dict(r) for r in cal.job_runs])
+    return dataclasses.replace(refitted, fit_error={**cal.fit_error, "jobs": error})

@@ -25,6 +25,7 @@ from tagps.strategy.calibration import (
 from tagps.strategy.devices import DeviceType
 from tagps.strategy.graph import extract_graph
 from tagps.strategy.grouping import group_ops
+from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
 
 CAL = Calibration(100e9, 20e9, 0.6, 0.3, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
@@ -195,7 +196,6 @@ def test_apply_sets_latencies_and_scales_bandwidths() -> None:
 
 def test_calibrated_simulator_predicts_plans_of_the_measured_topology() -> None:
     from tagps.strategy.baselines import dp_nccl
-    from tagps.strategy.simulator import Simulator
 
     graph = _graph(256)
     grouping = group_ops(graph, 2)
@@ -240,3 +240,91 @@ def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
     assert fitted.at_bound == ()
     with pytest.raises(ValueError, match="at least 4 runs"):
         fit_runs(CAL, runs[:3])
+
+
+# The runtimes' CPU constants that the recorded jobs below were "measured" with.
+JOB_TRUTH = dataclasses.replace(
+    CAL, collective_step_s=200e-6, collective_call_s=300e-6, message_overhead_s=40e-6
+)
+
+
+def _recorded_jobs(truth: Calibration) -> list[RunSample]:
+    """Jobs of registry model mlp-mini on a quota'd two-machine topology, "measured" with ``truth``."""
+    from tagps.strategy.baselines import BASELINES, data_parallel_plan
+    from tagps.strategy.graph import model_graph
+    from tagps.strategy.plan import CommSettings
+
+    graph = model_graph("mlp-mini")
+    grouping = group_ops(graph, 3)
+    groups = tuple(
+        DeviceGroup(n, "CPU", k, 40.0, peak_flops=100e9 * q) for n, k, q in (("a", 2, 0.5), ("b", 1, 0.25))
+    )
+    topo = Topology("quota", groups, 1.0)
+    sim = truth.simulator(graph, grouping, topo)
+    measured = Simulator(graph, grouping, topo)  # plans name the measured topology, as the runtime's do
+    runs = []
+    for fusion in (0, 1 << 20):
+        comm = CommSettings(True, fusion)
+        plans = {
+            name: dataclasses.replace(BASELINES[name](measured, 16), comm=comm) for name in BASELINE_NAMES
+        }
+        plans["a alone"] = data_parallel_plan(measured, 16, {"a:0": 8, "a:1": 8, "b:0": 0}, comm=comm)
+        for name, plan in plans.items():
+            runs.append(RunSample(f"{name}/{fusion}", graph, grouping, topo, plan, truth.evaluate(sim, plan)))
+    return runs
+
+
+def test_a_calibration_records_its_jobs_and_refits_on_them_from_the_file(tmp_path: Path) -> None:
+    from tagps.strategy.calibration import refit_runs
+
+    fitted, _ = fit_runs(CAL, _recorded_jobs(JOB_TRUTH))
+    assert [r["name"] for r in fitted.job_runs] == [r.name for r in _recorded_jobs(JOB_TRUTH)]
+    path = tmp_path / "cal.json"
+    # A model change moved the constants away; the file still holds the jobs they were fitted on.
+    moved = {"collective_step_s": 1e-3, "collective_call_s": 2e-6, "message_overhead_s": 1e-4}
+    dataclasses.replace(fitted, **moved).save(path)
+    loaded = load_calibration(path)
+    assert loaded.job_runs == fitted.job_runs
+    rebuilt = RunSample.from_dict(loaded.job_runs[0])
+    assert rebuilt.plan.to_dict() == fitted.job_runs[0]["plan"]
+    assert rebuilt.measured_s == fitted.job_runs[0]["measured_s"]
+    refitted = refit_runs(loaded)
+    # The calibration's own fit, reproduced from the file: the same constants, the jobs' times again.
+    for name in moved:
+        assert getattr(refitted, name) == pytest.approx(getattr(fitted, name), rel=1e-6)
+    assert refitted.fit_error["jobs"] < 1e-3
+    assert refitted.job_runs == loaded.job_runs
+
+
+def test_refit_refuses_a_calibration_without_recorded_jobs_and_bad_records() -> None:
+    from tagps.strategy.calibration import refit_runs
+
+    with pytest.raises(ValueError, match="recorded no job runs"):
+        refit_runs(CAL)
+    with pytest.raises(ValueError, match="job_runs must be a list"):
+        Calibration.from_dict({**CAL.to_dict(), "job_runs": "x"})
+    with pytest.raises(ValueError, match="needs name, plan and measured_s"):
+        RunSample.from_dict({"name": "x", "measured_s": 1.0})
+    record = _recorded_jobs(CAL)[0].to_dict()
+    with pytest.raises(ValueError, match="measured_s must be positive"):
+        RunSample.from_dict({**record, "measured_s": 0})
+
+
+def test_refit_cli_refits_the_recorded_jobs_and_refuses_a_file_without_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tagps.calibrate import main
+
+    fitted, _ = fit_runs(CAL, _recorded_jobs(JOB_TRUTH))
+    src, out = tmp_path / "cal.json", tmp_path / "refit.json"
+    dataclasses.replace(fitted, collective_step_s=1e-3).save(src)
+    assert main(["--refit", str(src), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "collective_step_s" in printed and f"calibration written to {out}" in printed
+    assert load_calibration(out).collective_step_s == pytest.approx(fitted.collective_step_s, rel=1e-6)
+    assert load_calibration(src).collective_step_s == 1e-3  # --out: the input is left as it was
+    CAL.save(src)
+    with pytest.raises(SystemExit) as exc:
+        main(["--refit", str(src)])
+    assert exc.value.code == 2
+    assert "recorded no job runs" in capsys.readouterr().err
