@@ -131,14 +131,15 @@ class HostCpu:
         sum_s_per_byte: per byte summed by the summation kernel (``tagps.kernels.sum_into``).
         message_s: per message (one partition): the ZeroMQ I/O thread.
         collective_step_s: per step of a collective (one message each rank sends and receives in a ring
-            step): the runtime's and the transport's CPU work. A rank runs it at its device's share of a
-            core, so a ring step waits for the slowest member: ``collective_step_s / q_min`` adds to the
-            step's time, which the wire's transfer of the step hides when it takes longer
+            step): the runtime's and the transport's CPU work. A rank runs it at the speed its quota
+            leaves it (its device's share of a core when it computes all step long, more in bursts when
+            it computes less: ``_TaskGraph._quota_bursts``), so a ring step waits for the slowest member:
+            ``collective_step_s / q_min`` adds to the step's time, which the wire's transfer of the step hides when it takes longer
             (:func:`ring_allreduce_time`). This is what makes many small all-reduces slow on a quota'd
             machine.
         collective_call_s: per collective call (one tensor, or one fused bucket): launching it and waiting
             for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
-            call whatever the ring's size; at the slowest member's share like ``collective_step_s``. A PS
+            call whatever the ring's size; at the slowest member's speed like ``collective_step_s``. A PS
             call does not pay it: its CPU is in its partitions' ``message_s`` (one message per partition
             and call, so a separate per-call constant could not be told apart from it).
         shm_copy_s_per_byte: per byte copied into or out of the shared-memory region a worker shares with
@@ -459,6 +460,7 @@ class _TaskGraph:
         "barrier",
         "batch",
         "bwd_done",
+        "cpu_slowdown",
         "exits",
         "fbatch",
         "flushed",
@@ -498,6 +500,7 @@ class _TaskGraph:
         self.sfb_bytes: list[float] = [0.0] * len(sim.groups)  # per op group: gathered SFB factors
         self.memory: list[list[float]] = []  # per device group, per device: peak bytes
         self.step_end: dict[int, int] = {}  # per device group with work: the task that ends its step
+        self.cpu_slowdown: list[float] = []  # per device group: how slowly its collectives' CPU runs
 
     def lay_out(self) -> None:
         """Lay out every op group; op groups with the same placement and option share one layout object."""
@@ -680,8 +683,41 @@ class _TaskGraph:
                     t = add(rec.duration, (bus + g,), [bwd_entry[g]], ("reduce", rec.src, i))
                     target.setdefault(g, []).append(t)
         self.bwd_done = bwd_done
+        self._quota_bursts()
         if not self.plan.comm.overlap:
             self.barrier = add(0.0, (), all_bwd, ("barrier", -1, -1))
+
+    def _quota_bursts(self) -> None:
+        """Set how slowly each device group's collective CPU runs, from how busy its compute keeps it.
+
+        A CPU quota (CFS) lets a machine run at full speed until the period's quota is spent: a rank that
+        computes all step long runs its collectives' CPU at its share ``s`` of a core, one that computes a
+        fraction ``b`` of the busiest rank's compute runs it at ``s + (1 - s)(1 - b)``.
+        """
+        sim = self.sim
+        if sim.host_cpu is None:
+            return
+        busy = [0.0] * len(sim.dgroups)
+        sched = self.sched
+        for d, r, name in zip(sched.dur, sched.res, sched.names, strict=True):
+            if name[0] in ("forward", "backward"):
+                busy[r[0]] += d
+        most = max(busy) or 1.0
+        self.cpu_slowdown = [
+            1 / (s + (1 - s) * (1 - b / most)) if s else 0.0 for s, b in zip(sim._share, busy, strict=True)
+        ]
+
+    def _ring(self, members: dict[int, int]) -> _Ring:
+        """:meth:`Simulator._ring` with the CPU of its steps and calls at this plan's quota bursts."""
+        sim = self.sim
+        ring = sim._ring(members)
+        if sim.host_cpu is None:
+            return ring
+        slow = self.cpu_slowdown
+        return ring._replace(
+            step_cpu=max(sim._step_full[g] * slow[g] for g in members),
+            call_cpu=max(sim._call_full[g] * slow[g] for g in members),
+        )
 
     def sync(self) -> None:
         """Add the gradient synchronisation of every replicated op group, in backward order.
@@ -750,7 +786,7 @@ class _TaskGraph:
                         self._flush(bucket)
                         bucket = None
                 else:  # one all-reduce per tensor: each step hides its CPU behind the wire or not
-                    ring = sim._ring(members)
+                    ring = self._ring(members)
                     dur = sum(ring.allreduce_time(size, n) for size in ar_sizes)
                     t = add(dur, ring.channels, deps, ("allreduce", i, -1))
                     for g in per:
@@ -773,7 +809,7 @@ class _TaskGraph:
                     if g in per:
                         sync_done[g].append(t)
             if sfb:
-                ring = sim._ring(members)
+                ring = self._ring(members)
                 for name in sfb:
                     op = ops[owner[name]]
                     per_sample, dup_flops = sim.sfb_factors(name, gradients[name].sfb_ops)
@@ -791,7 +827,7 @@ class _TaskGraph:
     def _flush(self, bucket: _FusionBucket) -> None:
         """Add the fused all-reduce of ``bucket``: one latency term, plus copying in and out of the buffer."""
         sim, members, nbytes = self.sim, bucket.members, bucket.nbytes
-        ring = sim._ring(members)
+        ring = self._ring(members)
         n = sum(members.values())
         dur = ring.allreduce_time(nbytes, n) + FUSION_COPIES * nbytes / (
             min(sim.dtypes[g].memory_bandwidth * sim.dtypes[g].memory_efficiency for g in members)
@@ -946,8 +982,9 @@ class Simulator:
             else 0.0
             for g, t in zip(self.dgroups, self.dtypes, strict=True)
         ]
-        # CPU seconds of one collective step and of one collective call on each device group's ranks (each
-        # at its device's share of a core).
+        # CPU seconds of one collective step and of one collective call on each device group's ranks: on a
+        # full core (_step_full, _call_full: a plan scales them by its quota bursts) and at the device's
+        # share of a core (_step_s, _call_s: a rank that computes all step long; what ring_link reports).
         slowdown = [
             host_cpu.core_flops / min(t.peak_flops, host_cpu.core_flops)
             if host_cpu is not None and cores
@@ -956,6 +993,9 @@ class Simulator:
         ]
         step = host_cpu.collective_step_s if host_cpu is not None else 0.0
         call = host_cpu.collective_call_s if host_cpu is not None else 0.0
+        self._share = [1 / x if x else 0.0 for x in slowdown]
+        self._step_full = [step if x else 0.0 for x in slowdown]
+        self._call_full = [call if x else 0.0 for x in slowdown]
         self._step_s = [step * x for x in slowdown]
         self._call_s = [call * x for x in slowdown]
         self.param_index = {name: i for i, name in enumerate(graph.params)}

@@ -573,6 +573,40 @@ def test_a_collective_call_costs_once_per_call_whatever_the_ring_size():
             assert t.end - t.start == pytest.approx(plain[t.name] + tensors * 2e-3)
 
 
+def test_a_rank_that_computes_little_runs_its_collectives_cpu_in_quota_bursts():
+    # a: a full core; b: a quarter core. A call's CPU (1 ms on a full core) waits for the slower member.
+    groups = (
+        DeviceGroup("a", "CPU", 1, 40.0, peak_flops=160e9),
+        DeviceGroup("b", "CPU", 1, 40.0, peak_flops=160e9 * 0.25),
+    )
+    base = sim_for("vgg-mini", Topology("quota", groups, 1.0))
+    called = Simulator(
+        base.graph, base.grouping, base.topology, host_cpu=HostCpu(160e9, collective_call_s=1e-3)
+    )
+    unfused = CommSettings(overlap=True, fusion_bytes=0)
+    per_call, computing = {}, {}
+    for shares in ((8, 8), (15, 1)):
+        plan = data_parallel_plan(base, 16, {"a:0": shares[0], "b:0": shares[1]}, comm=unfused)
+        plain_tasks = first_step(base.evaluate(plan, trace=True))
+        plain = {t.name: t.end - t.start for t in plain_tasks}
+        computing[shares] = {
+            m: sum(t.end - t.start for t in plain_tasks
+                   if t.resource == f"{m}/compute" and t.category in ("forward", "backward"))
+            for m in "ab"
+        }  # fmt: skip
+        (name, dur), *_ = (
+            (t.name, t.end - t.start) for t in first_step(called.evaluate(plan, trace=True))
+            if t.category == "allreduce"
+        )  # fmt: skip
+        per_call[shares] = (dur - plain[name]) / len(base.groups[int(name.split("g")[-1])].param_names)
+    # Equal shares: b computes all step long, so its quota runs the CPU at a quarter of a core.
+    assert per_call[(8, 8)] == pytest.approx(4e-3)
+    # One sample of 16 on b: it computes a fraction x of a's step, so it bursts at 0.25 + 0.75 (1 - x).
+    x = computing[(15, 1)]["b"] / computing[(15, 1)]["a"]
+    assert x < 0.5
+    assert per_call[(15, 1)] == pytest.approx(1e-3 / (0.25 + 0.75 * (1 - x)), rel=1e-6)
+
+
 def test_a_ps_call_pays_its_messages_and_not_a_collectives_launch():
     # A PS call's CPU is its partitions' messages (message_s); collective_call_s is gloo's launch alone.
     base = sim_for("vgg-mini", cpu_cluster(0.5))
