@@ -7,7 +7,8 @@ committed ones) or the built-in :data:`BENCH_CLUSTER`: two machines with 2 devic
 and 0.7 cores each, one slower machine with 2 devices on 200 Mbit/s and 0.3 cores (every device is one
 worker process with one thread; a machine's quota is shared by what it runs). For ``vgg-mini`` (VGG-style:
 3x3 convs and a wide FC classifier, 3.3M parameters) and ``transformer-mini`` (2-layer causal Transformer
-LM, 0.7M parameters), each at a global batch of 48, it trains with
+LM, 0.7M parameters), each at a global batch of 48 (raised to a multiple of the devices: 50 on 5), it trains
+with
 
 - **best DP plan**: MCTS restricted to data-parallel plans on the simulator calibrated for this host
   (``python -m tagps.calibrate``: a calibration set of other models and another emulated cluster);
@@ -81,7 +82,7 @@ BENCH_CLUSTER = {
     ],
 }
 MODELS = {"vgg": "vgg-mini", "transformer": "transformer-mini"}
-BATCH, GROUPS = 48, 8
+BATCH, GROUPS = 48, 8  # BATCH: the global batch, raised to a multiple of the spec's devices (_batch)
 # (figure, target, "min" or "max")
 TARGETS: dict[str, tuple[float, str]] = {
     "vgg_general_vs_best_dp": (1.3, "min"),
@@ -112,8 +113,15 @@ def _machine() -> dict[str, Any]:
     return machine_info(cpu_key="cpu", kernel=platform.release())
 
 
+def _batch(spec: Any) -> int:
+    """:data:`BATCH` raised to a multiple of the spec's worker devices: DDP and Horovod give every rank the
+    same share (48 samples over 5 devices cannot be split so, and those baselines would fail)."""
+    devices = sum(m.workers for m in spec.machines)
+    return -(-BATCH // devices) * devices
+
+
 def _plans(
-    model: str, topology: Any, cal: Any, search_iterations: int, prior: Any
+    model: str, topology: Any, cal: Any, search_iterations: int, prior: Any, batch: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The plans of :data:`STRATEGIES` for ``model`` on the measured ``topology``, and the calibrated
     prediction of DDP on every device-group subset that splits the batch evenly."""
@@ -132,7 +140,7 @@ def _plans(
 
     def searched(data_parallel: bool, prior: Any) -> Any:
         config = SearchConfig(iterations=search_iterations, data_parallel=data_parallel, seed=0)
-        found = search(calibrated, BATCH, config, model=prior)
+        found = search(calibrated, batch, config, model=prior)
         if found.plan is None:
             what = "data-parallel plan" if data_parallel else "plan"
             raise RuntimeError(f"the search found no feasible {what} for {model}")
@@ -140,7 +148,7 @@ def _plans(
         return dataclasses.replace(found.plan, topology=topology)
 
     best_dp = searched(True, None)
-    subsets = ddp_subset_plans(measured, BATCH)
+    subsets = ddp_subset_plans(measured, batch)
     subset_times = [cal.evaluate(calibrated, p) for p in subsets]
     # The runtime overlaps every gradient's sync with backward and does not fuse: model the baselines so.
     overlapped = CommSettings(overlap=True)
@@ -149,11 +157,11 @@ def _plans(
         "general plan": searched(False, prior),
         "executor overhead": dataclasses.replace(best_dp, kind="general").validate(),
         "DDP best subset": subsets[subset_times.index(min(subset_times))],
-        "DP all-reduce": ddp_plan(measured, BATCH),
+        "DP all-reduce": ddp_plan(measured, batch),
         "DP proportional": data_parallel_plan(
-            measured, BATCH, proportional_shares(calibrated, BATCH), comm=overlapped
+            measured, batch, proportional_shares(calibrated, batch), comm=overlapped
         ),
-        "PS": dataclasses.replace(byteps_like(measured, BATCH), comm=overlapped),
+        "PS": dataclasses.replace(byteps_like(measured, batch), comm=overlapped),
     }
     predictions = [
         {"devices": p.devices(), "predicted_s": t} for p, t in zip(subsets, subset_times, strict=True)
@@ -359,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "e2e_cluster.json" if args.cluster is None else f"e2e_cluster-{spec.name}.json"
     out = args.out or REPO / "bench" / "results" / name
     rounds, steps = (1, 10) if args.quick else (2, 20)
+    batch = _batch(spec)
     started, load_before = time.monotonic(), os.getloadavg()
     plans_dir = out.parent / f"{out.stem}-plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
@@ -398,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         job_commands: dict[tuple[str, str], str] = {}
         for key, model in MODELS.items():
             iterations = 100 if args.quick else 300
-            plans[key], ddp_subsets[model] = _plans(model, executor.topology, cal, iterations, prior)
+            plans[key], ddp_subsets[model] = _plans(model, executor.topology, cal, iterations, prior, batch)
             if "Horovod" in strategies:
                 plans[key]["Horovod"] = plans[key]["DP all-reduce"]
             for name, runtime in strategies.items():
@@ -492,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "rel_error_start_inputs": predicted[(model, name)] / measured - 1,
                         "predicted_links_only_s": links_predicted,
                         "rel_error_links_only": links_predicted / measured - 1,
-                        "samples_per_s": BATCH / measured,
+                        "samples_per_s": batch / measured,
                         "step_times_s": result["step_times_s"],
                         "loss_first": result["losses"][0],
                         "loss_last": result["losses"][-1],
@@ -532,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "calibration_links_only": stages["links"].to_dict(),
         "rounds": rounds,
         "steps": steps,
-        "batch_size": BATCH,
+        "batch_size": batch,
         "commands": commands,
         "figures": figures,
         "targets": {k: {"min" if kind == "min" else "max": v} for k, (v, kind) in TARGETS.items()},
