@@ -134,9 +134,9 @@ class HostCpu:
             step): the runtime's and the transport's CPU work. A rank runs it at the speed its quota
             leaves it (its device's share of a core when it computes all step long, more in bursts when
             it computes less: ``_TaskGraph._quota_bursts``), so a ring step waits for the slowest member:
-            ``collective_step_s / q_min`` adds to the step's time, which the wire's transfer of the step hides when it takes longer
-            (:func:`ring_allreduce_time`). This is what makes many small all-reduces slow on a quota'd
-            machine.
+            ``collective_step_s / q_min`` adds to the step's time, which the wire's transfer of the step
+            hides when it takes longer (:func:`ring_allreduce_time`). This is what makes many small
+            all-reduces slow on a quota'd machine.
         collective_call_s: per collective call (one tensor, or one fused bucket): launching it and waiting
             for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
             call whatever the ring's size; at the slowest member's speed like ``collective_step_s``. A PS
