@@ -52,6 +52,10 @@ median inputs (targets <= 0.10 / <= 0.20; ``*_start_inputs`` from the search's, 
 the median step times), with the calibration
 that ``python -m tagps.calibrate`` writes (fitted on whole jobs too); the same two with the calibration
 before that last fit (link micro-benchmarks only) are reported as ``*_links_only``.
+``sim_cpu_rel_error_mean`` (signed) and ``sim_cpu_abs_rel_error_max``: per tagps rank, the simulator's compute
+CPU per step (``SimResult.cpu_seconds``) against the CPU its process took per step (the worker's
+``cpu_s_per_step``; both in each run's record): whether a step-time error comes from the CPU a plan demands
+of a machine's quota or from how the model schedules it.
 """
 
 from __future__ import annotations
@@ -204,14 +208,20 @@ def _table(
 ) -> str:
     lines = [
         f"{'model':<17} {'strategy':<17} {'devices/shares':<28} {'measured ms':>11} {'predicted ms':>12} "
-        f"{'error':>7} {'samples/s':>9} {'loss first->last':>17}"
+        f"{'error':>7} {'samples/s':>9} {'loss first->last':>17} {'CPU/rank ms meas/pred':>21}"
     ]
     for r in runs:
         shares = ",".join(str(s) for s in r["plan"]["shares"])
+        measured_cpu, predicted_cpu = r["cpu_s_per_step"], r["predicted_cpu_s_per_step"]
+        cpu = "-"
+        if measured_cpu and predicted_cpu:
+            cpu = f"{statistics.mean(measured_cpu.values()) * 1e3:.1f}/"
+            cpu += f"{statistics.mean(predicted_cpu.values()) * 1e3:.1f}"
+
         lines.append(
             f"{r['model']:<17} {r['strategy']:<17} {shares:<28} {r['measured_s'] * 1e3:>11.1f} "
             f"{r['predicted_s'] * 1e3:>12.1f} {r['rel_error']:>+7.1%} {r['samples_per_s']:>9.1f} "
-            f"{r['loss_first']:>8.3f}->{r['loss_last']:<7.3f}"
+            f"{r['loss_first']:>8.3f}->{r['loss_last']:<7.3f} {cpu:>21}"
         )
     lines += [f"failed {f['model']} {f['strategy']} (round {f['round']}): see failed_runs" for f in failed]
     lines.append("")
@@ -261,6 +271,17 @@ def _figures(runs: list[dict[str, Any]], predicted: dict[tuple[str, str], float]
         errors = [abs(r[field]) for r in runs if r["runtime"] != "horovod"]
         figures[f"sim_abs_rel_error_mean{suffix}"] = sum(errors) / len(errors) if errors else None
         figures[f"sim_abs_rel_error_max{suffix}"] = max(errors, default=None)
+    # The CPU each tagps rank took per step against the simulator's compute CPU for it (signed: the part of
+    # a rank's CPU the model leaves out, such as its collectives' threads, shows as a negative mean).
+    cpu_errors = [
+        r["predicted_cpu_s_per_step"][d] / seconds - 1
+        for r in runs
+        if r["runtime"] == "tagps"
+        for d, seconds in r["cpu_s_per_step"].items()
+        if seconds > 0 and d in r["predicted_cpu_s_per_step"]
+    ]
+    figures["sim_cpu_rel_error_mean"] = statistics.mean(cpu_errors) if cpu_errors else None
+    figures["sim_cpu_abs_rel_error_max"] = max(map(abs, cpu_errors), default=None)
     return figures
 
 
@@ -480,9 +501,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = best[(key, name)]
                 measured, median = result[MEASURED_STEP], result["median_step_s"]
                 median_cpu = {"CPU": median_profiles[model]}
-                now, links_predicted = (
-                    c.evaluate(c.simulator(graph, grouping, median_topology, profiles=median_cpu), plan)
-                    for c in (cal, stages["links"])
+                sim = cal.simulator(graph, grouping, median_topology, profiles=median_cpu)
+                simulated = sim.evaluate(dataclasses.replace(plan, topology=sim.topology))
+                now = simulated.iteration_time
+                links = stages["links"]
+                links_predicted = links.evaluate(
+                    links.simulator(graph, grouping, median_topology, profiles=median_cpu), plan
                 )
                 runs.append(
                     {
@@ -503,6 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "rel_error_links_only": links_predicted / measured - 1,
                         "samples_per_s": batch / measured,
                         "step_times_s": result["step_times_s"],
+                        # Per rank: its process's CPU seconds per step, and the simulator's compute CPU.
+                        "cpu_s_per_step": result.get("cpu_s_per_step", {}),
+                        "predicted_cpu_s_per_step": simulated.cpu_seconds,
                         "loss_first": result["losses"][0],
                         "loss_last": result["losses"][-1],
                         "job_status": result["job_status"],

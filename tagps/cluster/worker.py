@@ -13,9 +13,10 @@ groups on their own devices, activations crossing between them); ``--runtime ddp
 shares only), the job's processes joined as a Horovod job by :func:`tagps.cluster.horovod_gloo.init`.
 Inputs and targets are one fixed synthetic global batch cut by the plan's shares (the same samples for every
 strategy), so the loss falls as the model memorises it and the losses of different plans compare. Rank 0
-writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", ...}`` to ``--out``; the timed steps
-follow ``--warmup`` untimed ones, and each timed step ends when rank 0's optimizer step returns (training is
-synchronous, so that is the iteration time).
+writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", "cpu_s_per_step", ...}`` to ``--out``;
+the timed steps follow ``--warmup`` untimed ones, and each timed step ends when rank 0's optimizer step
+returns (training is synchronous, so that is the iteration time). ``cpu_s_per_step`` is each rank's process
+CPU time per timed step: what it took from its machine's quota, beside what the simulator costs.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     losses: list[float] = []
     times: list[float] = []
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            cpu_start = time.process_time()
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(*inputs).flatten(0, -2), targets.flatten())
@@ -99,12 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
+    cpu_per_step = (time.process_time() - cpu_start) / args.steps
     # Global loss per step: shares-weighted mean of the local losses.
-    gathered: list[list[float] | None] = [None] * size
-    dist.all_gather_object(gathered, [local_batch * x for x in losses])
-    global_losses = [sum(g[i] for g in gathered if g) / plan.batch_size for i in range(len(losses))]
+    gathered: list[tuple[list[float], float] | None] = [None] * size
+    dist.all_gather_object(gathered, ([local_batch * x for x in losses], cpu_per_step))
+    global_losses = [sum(g[0][i] for g in gathered if g) / plan.batch_size for i in range(len(losses))]
     if rank == 0 and args.out:
-        _write_result(args, plan, devices, times, global_losses)
+        cpu = {d: g[1] for d, g in zip(devices, gathered, strict=True) if g}
+        _write_result(args, plan, devices, times, global_losses, cpu)
     # DDP's reducer must go before the process group it uses (else its destructor can abort the process).
     del optimizer, model
     dist.barrier()
@@ -148,6 +153,8 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
     losses: list[float] = []
     times: list[float] = []
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            cpu_start = time.process_time()
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = dmodel.train_step(inputs, targets)
@@ -155,19 +162,27 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(float(loss))
+    cpu_per_step = (time.process_time() - cpu_start) / args.steps
     # Each rank's loss is its share of the global mean: the global loss is their sum.
-    gathered: list[list[float] | None] = [None] * bps.size()
-    dist.all_gather_object(gathered, losses)
-    global_losses = [sum(g[i] for g in gathered if g) for i in range(len(losses))]
+    gathered: list[tuple[list[float], float] | None] = [None] * bps.size()
+    dist.all_gather_object(gathered, (losses, cpu_per_step))
+    global_losses = [sum(g[0][i] for g in gathered if g) for i in range(len(losses))]
     if bps.rank() == 0 and args.out:
-        _write_result(args, plan, plan.worker_devices(), times, global_losses)
+        devices = plan.worker_devices()
+        cpu = {d: g[1] for d, g in zip(devices, gathered, strict=True) if g}
+        _write_result(args, plan, devices, times, global_losses, cpu)
     del optimizer, dmodel
     bps.shutdown()
     return 0
 
 
 def _write_result(
-    args: argparse.Namespace, plan: Any, devices: list[str], times: list[float], losses: list[float]
+    args: argparse.Namespace,
+    plan: Any,
+    devices: list[str],
+    times: list[float],
+    losses: list[float],
+    cpu_s_per_step: dict[str, float],
 ) -> None:
     mean = statistics.mean(times)
     result = {
@@ -183,6 +198,8 @@ def _write_result(
         "median_step_s": statistics.median(times),
         "samples_per_s": plan.batch_size / mean,
         "losses": losses,
+        # Each rank's process CPU seconds (all its threads) per timed step: what it took from its quota.
+        "cpu_s_per_step": cpu_s_per_step,
     }
     write_text_atomic(args.out, json.dumps(result, indent=1))  # whole or absent, whatever happens next
 

@@ -214,6 +214,10 @@ class SimResult:
         op_times: per op, ``(start, end)`` of its forward on its first device group (``trace=True``).
         compute: per device type, what its compute times came from: ``"profile"`` (measured op times),
             ``"roofline"``, or ``"profile + roofline"`` when its device groups differ.
+        cpu_seconds: per used CPU device under a host-CPU model (:class:`HostCpu`), the core seconds of its
+            compute-resource tasks per iteration (``busy`` times its share of a core): what its rank takes
+            from the machine's quota for compute, the optimizer and the communication CPU costed on it
+            (a collective's per-step CPU, inside the ring's time, is not in it).
     """
 
     iteration_time: float
@@ -226,6 +230,7 @@ class SimResult:
     tasks: list[TaskRecord] = field(default_factory=list)
     op_times: dict[str, tuple[float, float]] = field(default_factory=dict)
     compute: dict[str, str] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
     def utilization(self) -> dict[str, float]:
         """Busy fraction of the iteration per device."""
@@ -1450,6 +1455,7 @@ class Simulator:
         oom: list[str] = []
         busy_dev: dict[str, float] = {}
         idle_dev: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for g, dg in enumerate(self.dgroups):
             for k in range(dg.count):
                 name = f"{dg.name}:{k}"
@@ -1459,8 +1465,12 @@ class Simulator:
                 used = mem[g][k] > 0
                 busy_dev[name] = busy[g] if used else 0.0
                 idle_dev[name] = total - busy_dev[name]
+                if used and self._share[g]:
+                    cpu[name] = busy[g] * self._share[g]
         group_finish = [max(finish[t] for t in done.values()) for done in graph.bwd_done]
-        result = SimResult(total, not oom, tuple(oom), peak, busy_dev, idle_dev, group_finish)
+        result = SimResult(
+            total, not oom, tuple(oom), peak, busy_dev, idle_dev, group_finish, cpu_seconds=cpu
+        )
         if trace:
             self._record(result, graph, start, finish)
         return result

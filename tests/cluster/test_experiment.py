@@ -81,6 +81,10 @@ def test_a_ps_plan_trains_as_local_processes() -> None:
     assert result["devices"] == ["local:0", "local:1"] and result["batch_size"] == 8
     assert len(result["step_times_s"]) == 2 and len(result["losses"]) == 3
     assert result["samples_per_s"] == pytest.approx(8 / result["mean_step_s"])
+    # Each rank's CPU per timed step: positive, and no more than its process's two cores could give.
+    cpu = result["cpu_s_per_step"]
+    assert set(cpu) == {"local:0", "local:1"}
+    assert all(0 < seconds < 2 * max(result["step_times_s"]) + 0.5 for seconds in cpu.values())
     # What predictions are compared with: the mean of the step times, the throughput.
     assert result[MEASURED_STEP] == pytest.approx(statistics.mean(result["step_times_s"]))
 

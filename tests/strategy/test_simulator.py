@@ -451,6 +451,21 @@ def test_ps_through_a_colocated_server_takes_cpu_from_a_quotad_machine():
     assert extra[0.25] > 3 * extra[1.0]  # a quarter of a core: about four times the CPU seconds
 
 
+def test_cpu_seconds_are_a_quotad_ranks_compute_busy_time_at_its_share_of_a_core():
+    base = sim_for("vgg-mini", cpu_cluster(0.25))
+    costed = Simulator(base.graph, base.grouping, base.topology, host_cpu=HOST)
+    plan = BASELINES["byteps-like"](base, 16)
+    result = costed.evaluate(plan)
+    assert set(result.cpu_seconds) == {"a:0", "b:0"}
+    for device, seconds in result.cpu_seconds.items():
+        assert seconds == pytest.approx(0.25 * result.busy[device], rel=1e-9)
+        assert 0 < seconds < result.iteration_time
+    # Without a host-CPU model (a GPU cluster, or none given) nothing is reported.
+    assert base.evaluate(plan).cpu_seconds == {}
+    gpu = sim_for("vgg-mini", paper_testbed())
+    assert gpu.evaluate(BASELINES["byteps-like"](gpu, 16)).cpu_seconds == {}
+
+
 def test_a_push_to_a_server_on_its_own_machine_costs_shared_memory_copies_not_messages():
     base = sim_for("vgg-mini", cpu_cluster(0.5))
     plan = BASELINES["byteps-like"](base, 16)  # a server on each machine: one member local, one remote
