@@ -217,7 +217,6 @@ def _table(
         if measured_cpu and predicted_cpu:
             cpu = f"{statistics.mean(measured_cpu.values()) * 1e3:.1f}/"
             cpu += f"{statistics.mean(predicted_cpu.values()) * 1e3:.1f}"
-
         lines.append(
             f"{r['model']:<17} {r['strategy']:<17} {shares:<28} {r['measured_s'] * 1e3:>11.1f} "
             f"{r['predicted_s'] * 1e3:>12.1f} {r['rel_error']:>+7.1%} {r['samples_per_s']:>9.1f} "
@@ -502,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measured, median = result[MEASURED_STEP], result["median_step_s"]
                 median_cpu = {"CPU": median_profiles[model]}
                 sim = cal.simulator(graph, grouping, median_topology, profiles=median_cpu)
-                simulated = sim.evaluate(dataclasses.replace(plan, topology=sim.topology))
+                simulated = cal.simulate(sim, plan)
                 now = simulated.iteration_time
                 links = stages["links"]
                 links_predicted = links.evaluate(

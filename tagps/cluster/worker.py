@@ -108,8 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.all_gather_object(gathered, ([local_batch * x for x in losses], cpu_per_step))
     global_losses = [sum(g[0][i] for g in gathered if g) / plan.batch_size for i in range(len(losses))]
     if rank == 0 and args.out:
-        cpu = {d: g[1] for d, g in zip(devices, gathered, strict=True) if g}
-        _write_result(args, plan, devices, times, global_losses, cpu)
+        _write_result(args, plan, devices, times, global_losses, [g[1] for g in gathered if g])
     # DDP's reducer must go before the process group it uses (else its destructor can abort the process).
     del optimizer, model
     dist.barrier()
@@ -168,9 +167,8 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
     dist.all_gather_object(gathered, (losses, cpu_per_step))
     global_losses = [sum(g[0][i] for g in gathered if g) for i in range(len(losses))]
     if bps.rank() == 0 and args.out:
-        devices = plan.worker_devices()
-        cpu = {d: g[1] for d, g in zip(devices, gathered, strict=True) if g}
-        _write_result(args, plan, devices, times, global_losses, cpu)
+        cpu = [g[1] for g in gathered if g]
+        _write_result(args, plan, plan.worker_devices(), times, global_losses, cpu)
     del optimizer, dmodel
     bps.shutdown()
     return 0
@@ -182,8 +180,9 @@ def _write_result(
     devices: list[str],
     times: list[float],
     losses: list[float],
-    cpu_s_per_step: dict[str, float],
+    cpu_s_per_step: list[float],
 ) -> None:
+    """Write rank 0's result; ``cpu_s_per_step`` is every rank's, in the order of ``devices``."""
     mean = statistics.mean(times)
     result = {
         "model": args.model,
@@ -199,7 +198,7 @@ def _write_result(
         "samples_per_s": plan.batch_size / mean,
         "losses": losses,
         # Each rank's process CPU seconds (all its threads) per timed step: what it took from its quota.
-        "cpu_s_per_step": cpu_s_per_step,
+        "cpu_s_per_step": dict(zip(devices, cpu_s_per_step, strict=True)),
     }
     write_text_atomic(args.out, json.dumps(result, indent=1))  # whole or absent, whatever happens next
 

@@ -54,7 +54,7 @@ from tagps.strategy.graph import Graph, model_graph
 from tagps.strategy.grouping import Grouping, grouping_from_names
 from tagps.strategy.plan import Plan
 from tagps.strategy.profiles import Profile
-from tagps.strategy.simulator import HostCpu, Simulator
+from tagps.strategy.simulator import HostCpu, SimResult, Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
 
 __all__ = [
@@ -325,9 +325,13 @@ class Calibration:
             cpu_core_flops=self.core_flops,
         )
 
+    def simulate(self, sim: Simulator, plan: Any) -> SimResult:
+        """Simulate ``plan`` (made for the measured topology) on calibrated ``sim``."""
+        return sim.evaluate(dataclasses.replace(plan, topology=sim.topology))
+
     def evaluate(self, sim: Simulator, plan: Any) -> float:
         """Predicted iteration time of ``plan`` (made for the measured topology) on calibrated ``sim``."""
-        return sim.evaluate(dataclasses.replace(plan, topology=sim.topology)).iteration_time
+        return self.simulate(sim, plan).iteration_time
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
