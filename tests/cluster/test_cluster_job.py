@@ -168,6 +168,52 @@ def test_cgroup_names_are_the_projects_own() -> None:
         cg.create("tagps-x", 0.0)
 
 
+_BURST_PROBE = """
+import time
+time.sleep(0.3)  # idle: under a long period, the quota would have piled up for a burst
+cpu, wall = time.process_time(), time.perf_counter()
+while time.process_time() - cpu < 0.03:
+    pass
+print(time.perf_counter() - wall)
+"""
+
+
+def _quota_and_period(group: cg.CpuCgroup) -> tuple[int, int]:
+    if group.version == 2:
+        quota, period = (group.path / "cpu.max").read_text().split()
+        return int(quota), int(period)
+    read = lambda name: int((group.path / name).read_text())  # noqa: E731
+    return read("cpu.cfs_quota_us"), read("cpu.cfs_period_us")
+
+
+@pytest.mark.timeout(60)
+def test_a_cpu_quota_is_a_speed_not_a_burst_after_idling() -> None:
+    # An emulated 0.35-core machine that waited on the network must still compute at 0.35 of a core: 30 ms
+    # of CPU take about 86 ms, not the 30 ms a full core would give while a long period's quota lasts.
+    try:
+        cg.cgroup_root()
+    except ClusterError as exc:
+        pytest.skip(f"needs root and a CPU cgroup controller: {exc}")
+    group = cg.create("tagps-99-quota", 0.35)
+    try:
+        quota, period = _quota_and_period(group)
+        assert period <= 10_000 and quota / period == pytest.approx(0.35)
+        out = subprocess.run(
+            cg.join_argv(group, [sys.executable, "-c", _BURST_PROBE]),
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        assert float(out.stdout) > 0.6 * 0.03 / 0.35
+    finally:
+        group.remove()
+    # A quota under the kernel's 1 ms minimum per period lengthens the period instead of rounding the speed.
+    small = cg.create("tagps-99-quota", 0.04)
+    try:
+        quota, period = _quota_and_period(small)
+        assert quota == 1000 and quota / period == pytest.approx(0.04)
+    finally:
+        small.remove()
+
+
 # ---------------------------------------------------------------------- end to end (root)
 @pytest.mark.netns
 @pytest.mark.timeout(240)
