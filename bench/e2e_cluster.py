@@ -30,9 +30,9 @@ Before calibrating, it profiles the calibration's models and these two on this h
 --processes 3``: the median of three processes, each of which draws its own speed on a shared host;
 written to ``<out>-plans/profiles`` and used through ``TAGPS_CACHE_DIR``: the shipped profiles come from
 another host), and records, per run, the mean step time of the best of the interleaved rounds (the
-machine is shared; the least disturbed round is the fairest; the mean, ``MEASURED_STEP``, because steps on
-a quota'd machine are bimodal and their median jumps between the modes; the median is recorded beside it,
-``median_s``), the calibrated simulator's prediction for the
+machine is shared; the least disturbed round is the fairest; the mean, ``MEASURED_STEP``, the throughput
+the simulator predicts, while the median of a few steps on a quota'd machine moves with where its CFS
+periods end; the median is recorded beside it, ``median_s``), the calibrated simulator's prediction for the
 same plan and the ``tagps cluster run`` command that trained it. Each round first re-measures the
 simulator's inputs (the two models' profiles, into ``<out>-plans/round-<k>/profiles``, and the topology),
 and each run is predicted from the median of every measurement, the start's included (``predicted_s``;

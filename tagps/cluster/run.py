@@ -202,8 +202,8 @@ class Cluster:
         """Measure a device's float32 matmul rate on ``machine``: all its devices busy at once, the mean.
 
         ``seconds`` spans many periods of the machine's CPU quota, which quantize a short probe: on the
-        2-core host five 1 s probes of a 0.7-core machine with 2 devices read 25-32 GFLOP/s, five 3 s ones
-        27-30.
+        2-core host, under the former 100 ms period, five 1 s probes of a 0.7-core machine with 2 devices
+        read 25-32 GFLOP/s, five 3 s ones 27-30.
         """
         argv = self.exec_argv(machine.name, [sys.executable, "-c", _FLOPS_PROBE, str(seconds)])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
