@@ -7,11 +7,13 @@
 2. **Measure links**: ``gloo`` all-reduces of several sizes between two devices of one machine and
    between two machines of an emulated calibration cluster (:data:`CALIBRATION_CLUSTER`, unlike the
    benchmark's) whose goodput was measured; fit the ring model's latencies and bandwidth efficiencies.
-3. **Measure the host CPU's communication costs**: the summation kernel's rate on one thread and one
-   side of a loopback TCP transfer, in memory passes per byte (what a PS message costs each side).
+3. **Measure the host CPU's communication costs**: the summation kernel's rate on one thread, one side
+   of a loopback TCP transfer, in memory passes per byte (what a PS message costs each side), and the PS
+   engine's CPU per message (a loopback summation server's, while one worker push_pulls small tensors).
 4. **Fit on whole jobs**: train ``mlp-mini`` and ``encoder-mini`` on that cluster with DDP, tagps
    all-reduce and tagps PS, and fit what the runtimes add to the links' costs: the CPU of each ring step
-   of a collective on every rank and of each PS message, which a quota'd machine runs slowly.
+   of a collective on every rank and of each push_pull call on every rank, which a quota'd machine runs
+   slowly.
 
 At the end it prints each fitted constant beside the micro-benchmark it is a fraction or a counterpart of
 (matmul rate, copy bandwidth, one op's dispatch, half a TCP round trip, TCP goodput) with its physical
@@ -203,22 +205,82 @@ def measure_sum_bandwidth(nbytes: int = 16 << 20, reps: int = 5) -> float:
     return nbytes / best
 
 
+def _process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_ps_message_s(keys: int = 16, key_bytes: int = 16_000, seconds: float = 1.5) -> float:
+    """Return the CPU seconds a summation server spends per message on one core: a loopback job of one
+    server, whose one worker (this process) push_pulls ``keys`` tensors of ``key_bytes`` (one partition
+    each) round after round for about ``seconds``; the server process's CPU over its messages (a push and
+    a pull per key and round). Small tensors, so that the bytes' copies and sums are a small part."""
+    import subprocess
+
+    import numpy as np
+
+    from tagps.config import ps_config
+    from tagps.launcher import local_job
+    from tagps.ps import PSClient
+
+    specs = local_job(["true"], 1, 1, 1)
+    services = [
+        subprocess.Popen(s.argv, env=dict(s.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for s in specs
+        if s.service
+    ]
+    client = None
+    try:
+        client = PSClient(ps_config(specs[-1].env))
+        buffers = [np.ones(key_bytes // 4, np.float32) for _ in range(keys)]
+        for k in range(keys):
+            client.declare(f"probe{k}", key_bytes, np.float32)
+        client.barrier()
+
+        def round_trip() -> None:
+            for handle in [client.push_pull(f"probe{k}", b) for k, b in enumerate(buffers)]:
+                client.wait(handle, timeout=30)
+
+        for _ in range(10):  # warm-up: connections, first allocations
+            round_trip()
+        server = services[1].pid  # the scheduler comes first
+        cpu, start, rounds = _process_cpu_s(server), time.monotonic(), 0
+        while time.monotonic() - start < seconds:
+            round_trip()
+            rounds += 1
+        return (_process_cpu_s(server) - cpu) / (2 * keys * rounds)
+    finally:
+        if client is not None:
+            client.close()
+        for proc in services:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def _host_cpu(memory_bandwidth: float) -> tuple[dict[str, float], dict[str, Reference]]:
-    """The measured host-CPU constants and their micro-benchmarks: ``sum_bandwidth`` from the kernel, and
+    """The measured host-CPU constants and their micro-benchmarks: ``sum_bandwidth`` from the kernel,
     ``message_copies`` as the memory passes that one side of a loopback TCP transfer costs per byte (its
-    goodput, with each side on its own core, against the copy bandwidth)."""
+    goodput, with each side on its own core, against the copy bandwidth), and ``message_overhead_s`` from a
+    loopback server (:func:`measure_ps_message_s`)."""
     from tagps.cluster.measure import measure_pair
     from tagps.launcher import free_ports
 
     summed = measure_sum_bandwidth()
     goodput = measure_pair(list, list, "127.0.0.1", free_ports(1)[0], 0.5).bandwidth_Bps
+    per_message = measure_ps_message_s()
     values = {
         "sum_bandwidth": HOST_CPU["sum_bandwidth"].clip(summed),
         "message_copies": HOST_CPU["message_copies"].clip(memory_bandwidth / goodput),
+        "message_overhead_s": HOST_CPU["message_overhead_s"].clip(per_message),
     }
     refs = {
         "sum_bandwidth": Reference("sum_into, one thread", summed, "B/s"),
         "message_copies": Reference("TCP goodput, loopback", goodput, "B/s"),
+        "message_overhead_s": Reference("loopback server's CPU per message", per_message, "s"),
     }
     return values, refs
 
@@ -421,7 +483,8 @@ def calibrate_stages(
     host_cpu, host_refs = _host_cpu(memory_bandwidth)
     log(
         f"host CPU: sum_into {host_cpu['sum_bandwidth'] / 1e9:.1f} GB/s, one side of a message "
-        f"{host_cpu['message_copies']:.2f} memory passes per byte"
+        f"{host_cpu['message_copies']:.2f} memory passes per byte, PS engine "
+        f"{host_cpu['message_overhead_s'] * 1e6:.0f} us per message"
     )
     references.update(host_refs)
     fitted.update(host_cpu)  # measured, beside the compute fit
@@ -454,7 +517,7 @@ def calibrate_stages(
                 log(
                     f"job fit on {len(runs)} runs: CPU per collective step {cal.collective_step_s * 1e6:.0f} "
                     f"us, per collective call {cal.collective_call_s * 1e6:.0f} us, "
-                    f"per PS message {cal.message_overhead_s * 1e6:.0f} us, "
+                    f"per push_pull call {cal.ps_call_s * 1e6:.0f} us, "
                     f"mean error {job_err:.1%}{_on_bound(cal)}"
                 )
                 stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
@@ -524,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cal = refit_runs(before)
         except ValueError as exc:
             p.exit(2, f"python -m tagps.calibrate --refit: {exc}\n")
-        for name in ("collective_step_s", "collective_call_s", "message_overhead_s"):
+        for name in ("collective_step_s", "collective_call_s", "ps_call_s"):
             print(f"{name:<20} {getattr(before, name) * 1e6:9.1f} us -> {getattr(cal, name) * 1e6:9.1f} us")
         print(f"job fit on {len(cal.job_runs)} recorded runs: mean error "
               f"{before.fit_error.get('jobs', float('nan')):.1%} -> {cal.fit_error['jobs']:.1%}")  # fmt: skip

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from tagps.calibrate import Reference, constants_table, measure_dispatch, measure_sum_bandwidth
+import pytest
+
+from tagps.calibrate import (
+    Reference,
+    constants_table,
+    measure_dispatch,
+    measure_ps_message_s,
+    measure_sum_bandwidth,
+)
 from tagps.strategy.calibration import FITTED, HOST_CPU, Calibration
 
 
@@ -41,3 +49,10 @@ def test_measure_dispatch_is_a_few_microseconds() -> None:
 
 def test_measure_sum_bandwidth_is_a_memory_rate() -> None:
     assert 0.5e9 < measure_sum_bandwidth(1 << 20, reps=3) < 1e12
+
+
+@pytest.mark.timeout(90)
+def test_measure_ps_message_s_is_a_servers_cpu_per_message() -> None:
+    # The server's process (not the scheduler's, which idles): some microseconds of CPU per message.
+    per_message = measure_ps_message_s(keys=8, seconds=0.5)
+    assert HOST_CPU["message_overhead_s"].low < per_message < HOST_CPU["message_overhead_s"].high

@@ -27,13 +27,16 @@ that ends on an end of its range is a failure of the cost model, not a fit: the 
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 
 The CPU that communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
-comes from five host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
-0 when not costed (a calibration without them predicts as before). Two are measured by micro-benchmarks:
+comes from six host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
+0 when not costed (a calibration without them predicts as before). Three are measured by micro-benchmarks:
 ``message_copies``, the memory passes per byte at ``memory_bandwidth`` that each side of a message costs
-(one side of a loopback TCP transfer), and the summation kernel's ``sum_bandwidth``. Three are what the
-runtimes add, fitted on whole jobs (:func:`fit_runs`): the ZeroMQ I/O thread's ``message_overhead_s`` per
-4 MB partition, ``collective_step_s``, the CPU of one ring step of a collective on each rank, and
-``collective_call_s``, the CPU of launching one collective call (once per call, whatever the ring's size).
+(one side of a loopback TCP transfer), the summation kernel's ``sum_bandwidth``, and the PS engine's CPU
+per message, ``message_overhead_s`` (a loopback server's). Three are what the runtimes add, fitted on
+whole jobs (:func:`fit_runs`): ``ps_call_s``, the CPU of one push_pull call on each worker rank (the
+framework's dispatch into the PS path), ``collective_step_s``, the CPU of one ring step of a collective on
+each rank, and ``collective_call_s``, the CPU of launching one collective call (once per call, whatever
+the ring's size). Calibrations written before ``ps_call_s`` existed fitted ``message_overhead_s`` instead,
+and predict as they did.
 A push to a server on the worker's own machine goes through shared memory: one copy, each byte read and
 written at ``memory_bandwidth`` (which counts both).
 """
@@ -182,9 +185,16 @@ class Calibration:
     sum_bandwidth: float = _host_cpu(
         "bytes per second that the summation kernel sums on one full core", 1e9, 200e9, "B/s"
     )
-    # A message costs the I/O thread at least a system call; a millisecond is not per-message work.
+    # A message costs the engine at least a system call; a millisecond is not per-message work.
     message_overhead_s: float = _host_cpu(
-        "CPU time of the ZeroMQ I/O thread per message (one partition) on one full core", 1e-6, 1e-3, "s"
+        "CPU time of the PS engine (framing, ZeroMQ I/O) per message (one partition) on one full core",
+        1e-6,
+        1e-3,
+        "s",
+    )
+    # A call is at least a framework dispatch (microseconds); 5 ms of CPU per tensor is not dispatching.
+    ps_call_s: float = _host_cpu(
+        "CPU time of one push_pull call (one tensor) on each worker rank, on one full core", 1e-6, 5e-3, "s"
     )
     # A ring step is at least a send and a receive system call; 5 ms of CPU per step is not messaging.
     collective_step_s: float = _host_cpu(
@@ -296,6 +306,7 @@ class Calibration:
             copy_s_per_byte=self.message_copies / self.memory_bandwidth,
             sum_s_per_byte=1 / self.sum_bandwidth if self.sum_bandwidth else 0.0,
             message_s=self.message_overhead_s,
+            ps_call_s=self.ps_call_s,
             collective_step_s=self.collective_step_s,
             collective_call_s=self.collective_call_s,
             shm_copy_s_per_byte=2 / self.memory_bandwidth,
@@ -598,7 +609,7 @@ class RunSample:
         return cls(name, graph, grouping, plan.topology, plan, measured)
 
 
-_RUNTIME_CPU = ("collective_step_s", "collective_call_s", "message_overhead_s")  # what fit_runs fits
+_RUNTIME_CPU = ("collective_step_s", "collective_call_s", "ps_call_s")  # what fit_runs fits
 
 
 def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration, float]:
@@ -606,9 +617,10 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
 
     The links keep the constants their all-reduce probes measured (:func:`fit_comm`); what a training
     job adds on top is CPU: each ring step's work on every rank (``collective_step_s``, which a quota'd
-    rank runs slowly), launching each collective call (``collective_call_s``) and the ZeroMQ I/O per PS
-    partition (``message_overhead_s``). The runs must hold rings of more than one size, or steps and calls
-    cannot be told apart. Minimises the squared
+    rank runs slowly), launching each collective call (``collective_call_s``) and each rank's dispatch of
+    a PS push_pull per tensor (``ps_call_s``; the engine's own cost per message, ``message_overhead_s``, is
+    measured). The runs must hold rings of more than one size, or steps and calls cannot be told apart.
+    Minimises the squared
     log ratio of the calibrated simulator's iteration time to the measured one over ``runs``, inside the
     constants' physical ranges; a constant that stops on a bound shows in :attr:`Calibration.at_bound`.
 
@@ -635,9 +647,12 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         cal = with_x(x)
         return [math.log(predict(cal, r) / r.measured_s) for r in runs]
 
-    # Start inside the ranges (0 means not costed yet): 50 us is a Python-level message.
+    # A CPU cost hidden behind the wire or compute has no slope, so a fit that starts below the point where
+    # it surfaces stays there; a second start above every such point descends onto it. Starts inside the
+    # ranges (0 means not costed yet): 50 us is a Python-level message, 1 ms more than any call costs.
     x0 = [(getattr(start, n) or 50e-6) / u for n, u in zip(names, units, strict=True)]
-    fit = least_squares(residuals, x0, bounds=_box(names, units), diff_step=0.05)
+    fits = [least_squares(residuals, x, bounds=_box(names, units), diff_step=0.05) for x in (x0, [1.0] * 3)]
+    fit = min(fits, key=lambda f: f.cost)
     cal = dataclasses.replace(with_x(fit.x), job_runs=tuple(r.to_dict() for r in runs))
     errors = [abs(predict(cal, r) / r.measured_s - 1) for r in runs]
     return cal, sum(errors) / len(errors)

@@ -110,6 +110,7 @@ _HOST_CPU_COSTS = (
     "copy_s_per_byte",
     "sum_s_per_byte",
     "message_s",
+    "ps_call_s",
     "collective_step_s",
     "collective_call_s",
     "shm_copy_s_per_byte",
@@ -129,7 +130,12 @@ class HostCpu:
         copy_s_per_byte: per byte of a message, for each side: serialisation and socket copies (memory
             passes over the memory bandwidth).
         sum_s_per_byte: per byte summed by the summation kernel (``tagps.kernels.sum_into``).
-        message_s: per message (one partition): the ZeroMQ I/O thread.
+        message_s: per message (one partition), on each side: the PS engine's framing and ZeroMQ I/O (the
+            same C++ engine in a server and in a worker's communication service).
+        ps_call_s: per push_pull call (one tensor) on each worker rank: the framework's dispatch into the
+            PS path (the gradient hook, enqueueing the tensor, waiting for it and copying the result back).
+            Every rank of a machine pays it, though the machine pushes each partition once after its local
+            reduction, so a machine's PS CPU grows with its ranks.
         collective_step_s: per step of a collective (one message each rank sends and receives in a ring
             step): the runtime's and the transport's CPU work. A rank runs it at the speed its quota
             leaves it (its device's share of a core when it computes all step long, more in bursts when
@@ -140,8 +146,7 @@ class HostCpu:
         collective_call_s: per collective call (one tensor, or one fused bucket): launching it and waiting
             for it in the runtime (a gradient hook, the framework's dispatch, queueing the work), once per
             call whatever the ring's size; at the slowest member's speed like ``collective_step_s``. A PS
-            call does not pay it: its CPU is in its partitions' ``message_s`` (one message per partition
-            and call, so a separate per-call constant could not be told apart from it).
+            call pays ``ps_call_s`` instead (another path: the runtime's dispatch into the PS engine).
         shm_copy_s_per_byte: per byte copied into or out of the shared-memory region a worker shares with
             a server on its own machine (``TAGPS_PS_IPC``: one memcpy instead of a message's socket
             copies). 0: such a push is costed as a message like any other.
@@ -151,6 +156,7 @@ class HostCpu:
     copy_s_per_byte: float = 0.0
     sum_s_per_byte: float = 0.0
     message_s: float = 0.0
+    ps_call_s: float = 0.0
     collective_step_s: float = 0.0
     collective_call_s: float = 0.0
     shm_copy_s_per_byte: float = 0.0
@@ -752,7 +758,8 @@ class _TaskGraph:
             per = self.layouts[i]
             members, n = sim._members(per)
             ar_sizes: list[int] = []
-            ps_bytes: dict[int, list[float]] = {}  # server device group -> [bytes, tensors, partitions]
+            # server device group -> [bytes, tensors, partitions, calls: tensors whose first partition it has]
+            ps_bytes: dict[int, list[float]] = {}
             sfb: list[str] = []
             for name in names:
                 entry = gradients.get(name)
@@ -768,11 +775,12 @@ class _TaskGraph:
                     first = param_index[name]
                     parts = -(-size // PS_PARTITION_BYTES)
                     for q in range(min(parts, ns)):  # partitions go round-robin over the servers
-                        slot = ps_bytes.setdefault(dindex[servers[(first + q) % ns]], [0.0, 0, 0])
+                        slot = ps_bytes.setdefault(dindex[servers[(first + q) % ns]], [0.0, 0, 0, 0])
                         mine = parts // ns + (1 if q < parts % ns else 0)
                         slot[0] += size * mine / parts
                         slot[1] += 1
                         slot[2] += mine
+                        slot[3] += q == 0
                 else:
                     sfb.append(name)
             if n == 1 or not names:
@@ -798,12 +806,12 @@ class _TaskGraph:
                         sync_done[g].append(t)
                     self._ring_cpu(members, sum(ar_sizes), deps, i)
             wire = sim._ps_wire(members, ps_bytes) if ps_bytes else 0.0
-            for s, (nbytes, count, partitions) in ps_bytes.items():
+            for s, (nbytes, count, partitions, calls) in ps_bytes.items():
                 local, res, remote = sim._ps(members, s)
                 dur = wire + 2 * nbytes * local + 2 * count * (inter_lat if remote else intra_lat)
                 busy: list[tuple[int, float]] = []
                 if host:
-                    server_s, busy = sim._ps_cpu(members, s, nbytes, partitions)
+                    server_s, busy = sim._ps_cpu(members, s, nbytes, partitions, calls)
                     # Partitions pipeline the network and the server's CPU (credits keep both busy).
                     dur = max(dur, server_s) + min(dur, server_s) / partitions
                 t = add(dur, res, deps, ("ps", i, s))
@@ -1217,7 +1225,7 @@ class Simulator:
 
     def _ps_wire(self, members: dict[int, int], ps_bytes: dict[int, list[float]]) -> float:
         """Seconds the network takes for one op group's PS sync (``ps_bytes``: server device group ->
-        ``[bytes, tensors, partitions]``), which each of its servers' transfers lasts.
+        ``[bytes, tensors, partitions, calls]``), which each of its servers' transfers lasts.
 
         Links are full duplex and the op group's partitions stream through every server at once (credits):
         pulls flow back while later partitions are pushed. Each machine's NIC carries its workers' pushes to
@@ -1225,7 +1233,7 @@ class Simulator:
         both the other way): the busiest NIC's one direction, plus one partition's pull to drain.
         """
         nic: dict[int, float] = {}
-        for s, (nbytes, _, _) in ps_bytes.items():
+        for s, (nbytes, *_) in ps_bytes.items():
             for w in members:
                 if w != s:
                     seconds = nbytes / self.bw[w][s]
@@ -1235,16 +1243,18 @@ class Simulator:
         return max(nic.values(), default=0.0) * (1 + 1 / max(1, partitions))
 
     def _ps_cpu(
-        self, members: dict[int, int], server: int, nbytes: float, partitions: int
+        self, members: dict[int, int], server: int, nbytes: float, partitions: int, calls: int
     ) -> tuple[float, list[tuple[int, float]]]:
-        """CPU that syncing ``nbytes`` in ``partitions`` through ``server`` takes (needs :attr:`host_cpu`).
+        """CPU that syncing ``nbytes`` in ``partitions`` of ``calls`` tensors through ``server`` takes (needs
+        :attr:`host_cpu`).
 
         The server receives a push from each of the ``k`` member device groups, sums it in and sends each a
-        pull; a worker device group first sums its ``m_w`` devices' gradients, then pushes and pulls:
+        pull; a worker device group's ``m_w`` ranks each call push_pull per tensor, the group sums their
+        gradients, then pushes and pulls:
 
         .. math::
             t_s = \\frac{k S (2 c_{copy} + c_{sum}) + 2 k P c_{msg}}{q_s}, \\quad
-            t_w = \\frac{S (2 c_{copy} + (m_w - 1) c_{sum}) + 2 P c_{msg}}{q_w}
+            t_w = \\frac{S (2 c_{copy} + (m_w - 1) c_{sum}) + 2 P c_{msg} + m_w C c_{call}}{q_w}
 
         A member on the server's own machine shares memory with it when :attr:`HostCpu.shm_copy_s_per_byte`
         is set (the runtime's default): its push is one copy into the region and its pull one copy out
@@ -1257,7 +1267,7 @@ class Simulator:
         """
         host, cores = self.host_cpu, self._cpu_cores
         assert host is not None  # internal: only called with host_cpu set
-        copy, summ, msg = host.copy_s_per_byte, host.sum_s_per_byte, host.message_s
+        copy, summ, msg, call = host.copy_s_per_byte, host.sum_s_per_byte, host.message_s, host.ps_call_s
         shm = host.shm_copy_s_per_byte
         shared = {w: bool(shm) and w == server for w in members}
         k = len(members)
@@ -1270,7 +1280,8 @@ class Simulator:
         for w, m in members.items():
             if cores[w]:
                 side = shm if shared[w] else copy
-                busy.append((w, (nbytes * (2 * side + (m - 1) * summ) + 2 * partitions * msg) / cores[w]))
+                own = nbytes * (2 * side + (m - 1) * summ) + 2 * partitions * msg + m * calls * call
+                busy.append((w, own / cores[w]))
         return server_s, busy
 
     def _mp_parts(self, group: int, k: int) -> tuple[list[tuple[int, ...]], dict[int, int]]:

@@ -29,6 +29,12 @@ from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
 
 CAL = Calibration(100e9, 20e9, 0.6, 0.3, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
+# CAL after the host-CPU micro-benchmarks: the PS engine's CPU per message is measured, not fitted.
+MEASURED = dataclasses.replace(CAL, message_overhead_s=15e-6)
+# The runtimes' CPU constants that the jobs below were "measured" with.
+JOB_TRUTH = dataclasses.replace(
+    MEASURED, collective_step_s=200e-6, collective_call_s=300e-6, ps_call_s=500e-6
+)
 
 
 def _graph(width: int) -> object:
@@ -219,10 +225,9 @@ def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
     groups = tuple(
         DeviceGroup(n, "CPU", k, 40.0, peak_flops=100e9 * q) for n, k, q in (("a", 2, 0.5), ("b", 1, 0.25))
     )
-    topo = Topology("quota", groups, 1.0)
-    truth = dataclasses.replace(
-        CAL, collective_step_s=200e-6, collective_call_s=300e-6, message_overhead_s=40e-6
-    )
+    # 10 Gbps links, so that a PS step is bound by the ranks' CPU (the constants fitted) and not the wire.
+    topo = Topology("quota", groups, 10.0)
+    truth = JOB_TRUTH
     runs = []
     for fusion in (0, 1 << 20):
         sim = truth.simulator(graph, grouping, topo)
@@ -232,20 +237,15 @@ def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
         plans["a alone"] = data_parallel_plan(sim, 16, {"a:0": 8, "a:1": 8, "b:0": 0}, comm=comm)
         for name, plan in plans.items():
             runs.append(RunSample(f"{name}/{fusion}", graph, grouping, topo, plan, truth.evaluate(sim, plan)))
-    fitted, error = fit_runs(CAL, runs)
+    fitted, error = fit_runs(MEASURED, runs)
     assert error < 1e-3
     assert fitted.collective_step_s == pytest.approx(200e-6, rel=0.05)
     assert fitted.collective_call_s == pytest.approx(300e-6, rel=0.05)
-    assert fitted.message_overhead_s == pytest.approx(40e-6, rel=0.05)
+    assert fitted.ps_call_s == pytest.approx(500e-6, rel=0.05)
+    assert fitted.message_overhead_s == MEASURED.message_overhead_s  # measured, not fitted
     assert fitted.at_bound == ()
     with pytest.raises(ValueError, match="at least 4 runs"):
-        fit_runs(CAL, runs[:3])
-
-
-# The runtimes' CPU constants that the recorded jobs below were "measured" with.
-JOB_TRUTH = dataclasses.replace(
-    CAL, collective_step_s=200e-6, collective_call_s=300e-6, message_overhead_s=40e-6
-)
+        fit_runs(MEASURED, runs[:3])
 
 
 def _recorded_jobs(truth: Calibration) -> list[RunSample]:
@@ -259,7 +259,7 @@ def _recorded_jobs(truth: Calibration) -> list[RunSample]:
     groups = tuple(
         DeviceGroup(n, "CPU", k, 40.0, peak_flops=100e9 * q) for n, k, q in (("a", 2, 0.5), ("b", 1, 0.25))
     )
-    topo = Topology("quota", groups, 1.0)
+    topo = Topology("quota", groups, 10.0)
     sim = truth.simulator(graph, grouping, topo)
     measured = Simulator(graph, grouping, topo)  # plans name the measured topology, as the runtime's do
     runs = []
@@ -277,11 +277,11 @@ def _recorded_jobs(truth: Calibration) -> list[RunSample]:
 def test_a_calibration_records_its_jobs_and_refits_on_them_from_the_file(tmp_path: Path) -> None:
     from tagps.strategy.calibration import refit_runs
 
-    fitted, _ = fit_runs(CAL, _recorded_jobs(JOB_TRUTH))
+    fitted, _ = fit_runs(MEASURED, _recorded_jobs(JOB_TRUTH))
     assert [r["name"] for r in fitted.job_runs] == [r.name for r in _recorded_jobs(JOB_TRUTH)]
     path = tmp_path / "cal.json"
     # A model change moved the constants away; the file still holds the jobs they were fitted on.
-    moved = {"collective_step_s": 1e-3, "collective_call_s": 2e-6, "message_overhead_s": 1e-4}
+    moved = {"collective_step_s": 1e-3, "collective_call_s": 2e-6, "ps_call_s": 1e-4}
     dataclasses.replace(fitted, **moved).save(path)
     loaded = load_calibration(path)
     assert loaded.job_runs == fitted.job_runs
@@ -315,7 +315,7 @@ def test_refit_cli_refits_the_recorded_jobs_and_refuses_a_file_without_them(
 ) -> None:
     from tagps.calibrate import main
 
-    fitted, _ = fit_runs(CAL, _recorded_jobs(JOB_TRUTH))
+    fitted, _ = fit_runs(MEASURED, _recorded_jobs(JOB_TRUTH))
     src, out = tmp_path / "cal.json", tmp_path / "refit.json"
     dataclasses.replace(fitted, collective_step_s=1e-3).save(src)
     assert main(["--refit", str(src), "--out", str(out)]) == 0

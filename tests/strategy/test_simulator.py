@@ -498,6 +498,8 @@ def test_host_cpu_costs_at_zero_give_the_old_results_exactly():
             )
     with pytest.raises(ValueError, match="message_s"):
         HostCpu(160e9, message_s=-1.0)
+    with pytest.raises(ValueError, match="ps_call_s"):
+        HostCpu(160e9, ps_call_s=float("inf"))
 
 
 def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_to_the_old_results():
@@ -509,6 +511,7 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
         "message_copies",
         "sum_bandwidth",
         "message_overhead_s",
+        "ps_call_s",
         "collective_step_s",
         "collective_call_s",
     }
@@ -622,8 +625,30 @@ def test_a_rank_that_computes_little_runs_its_collectives_cpu_in_quota_bursts():
     assert per_call[(15, 1)] == pytest.approx(1e-3 / (0.25 + 0.75 * (1 - x)), rel=1e-6)
 
 
+def test_every_rank_pays_its_push_pull_calls_though_its_machine_pushes_once():
+    # a: two devices under half a core, b: one under a quarter; every tensor is one push_pull per rank.
+    groups = (
+        DeviceGroup("a", "CPU", 2, 40.0, peak_flops=160e9 * 0.25),
+        DeviceGroup("b", "CPU", 1, 40.0, peak_flops=160e9 * 0.25),
+    )
+    base = sim_for("vgg-mini", Topology("ranks", groups, 10.0))  # links fast enough that CPU bounds the step
+    call = 1e-3
+    costed = Simulator(base.graph, base.grouping, base.topology, host_cpu=HostCpu(160e9, ps_call_s=call))
+    plan = BASELINES["byteps-like"](base, 16)
+    result = costed.evaluate(plan, trace=True)
+    tensors = len(base.graph.params)
+    cpu = {
+        r: sum(t.end - t.start for t in first_step(result) if t.category == "ps-cpu" and t.resource == r)
+        for r in ("a/compute", "b/compute")
+    }
+    assert cpu["a/compute"] == pytest.approx(2 * tensors * call / 0.5)
+    assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
+    assert result.iteration_time > base.evaluate(plan).iteration_time
+
+
 def test_a_ps_call_pays_its_messages_and_not_a_collectives_launch():
-    # A PS call's CPU is its partitions' messages (message_s); collective_call_s is gloo's launch alone.
+    # A PS call's CPU is its partitions' messages (message_s) and its ranks' calls (ps_call_s);
+    # collective_call_s is gloo's launch alone.
     base = sim_for("vgg-mini", cpu_cluster(0.5))
     for fusion in (0, 64 << 20):
         plan = dataclasses.replace(BASELINES["byteps-like"](base, 16), comm=CommSettings(True, fusion))
