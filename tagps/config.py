@@ -7,6 +7,8 @@ The variables are documented in ``docs/environment.md``.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -103,6 +105,17 @@ def kernel_config(env: Mapping[str, str] = os.environ) -> KernelConfig:
     )
 
 
+def _sizes(raw: str) -> tuple[int, ...]:
+    """Parse ``TAGPS_MACHINE_SIZES``: worker processes per machine, e.g. ``1,2,2``."""
+    try:
+        sizes = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise ValueError("write the processes of each worker machine like 1,2,2") from None
+    if any(n < 1 for n in sizes):
+        raise ValueError("every machine runs at least one worker process")
+    return sizes
+
+
 def _topology(raw: str) -> tuple[tuple[int, ...], ...]:
     groups = tuple(tuple(int(r) for r in g.split(",") if r.strip()) for g in raw.split("|"))
     if any(not g for g in groups):
@@ -122,6 +135,9 @@ class CommConfig:
         root_port: scheduler port (``DMLC_PS_ROOT_PORT``), ``None`` when unset.
         local_rank: this process's rank on its machine (``BYTEPS_LOCAL_RANK``, default 0).
         local_size: processes on this machine (``BYTEPS_LOCAL_SIZE``, default 1).
+        machine_sizes: processes on each worker machine in ``DMLC_WORKER_ID`` order, for machines that run
+            different numbers (``TAGPS_MACHINE_SIZES``, e.g. ``1,2,2``; ``tagps cluster run`` sets it);
+            unset: every machine runs ``local_size``. Ranks stay machine-major.
         dist_port: torch.distributed rendezvous port (``TAGPS_DIST_PORT``, default ``root_port + 1``).
         dist_backend: ``auto`` (``cpu:gloo,cuda:nccl`` with CUDA, else gloo), ``gloo``, ``nccl`` or
             ``cpu:gloo,cuda:nccl`` (gloo for CPU tensors, NCCL for CUDA ones) (``TAGPS_DIST_BACKEND``).
@@ -150,6 +166,7 @@ class CommConfig:
     root_port: int | None = None
     local_rank: int = 0
     local_size: int = 1
+    machine_sizes: tuple[int, ...] | None = None
     dist_port: int | None = None
     dist_backend: str = "auto"
     dist_timeout_s: float = 300.0
@@ -171,6 +188,22 @@ class CommConfig:
             raise ConfigError(
                 f"BYTEPS_LOCAL_RANK={self.local_rank} must be in [0, BYTEPS_LOCAL_SIZE={self.local_size})"
             )
+        if self.machine_sizes is not None:
+            sizes = ",".join(map(str, self.machine_sizes))
+            if len(self.machine_sizes) != self.num_worker:
+                raise ConfigError(
+                    f"TAGPS_MACHINE_SIZES={sizes} must name {self.num_worker} machines (DMLC_NUM_WORKER)"
+                )
+            if self.machine_sizes[self.worker_id] != self.local_size:
+                raise ConfigError(
+                    f"TAGPS_MACHINE_SIZES={sizes} gives machine {self.worker_id} "
+                    f"{self.machine_sizes[self.worker_id]} processes, but BYTEPS_LOCAL_SIZE={self.local_size}"
+                )
+            if self.local_topology is not None and len(set(self.machine_sizes)) > 1:
+                raise ConfigError(
+                    "TAGPS_LOCAL_TOPOLOGY names one machine's local ranks; it cannot hold for machines of "
+                    f"different sizes (TAGPS_MACHINE_SIZES={sizes}); use BYTEPS_PCIE_SWITCH_SIZE"
+                )
         if self.local_topology is not None:
             flat = sorted(r for g in self.local_topology for r in g)
             if flat != list(range(self.local_size)):
@@ -180,21 +213,46 @@ class CommConfig:
                 )
 
     @property
+    def sizes(self) -> tuple[int, ...]:
+        """Worker processes on each machine, in ``DMLC_WORKER_ID`` order."""
+        return self.machine_sizes or (self.local_size,) * self.num_worker
+
+    @property
     def size(self) -> int:
-        """Worker processes in the job (machines times local size)."""
-        return self.num_worker * self.local_size
+        """Worker processes in the job (all machines' local sizes)."""
+        return sum(self.sizes)
 
     @property
     def rank(self) -> int:
         """Global rank of this process (machine-major, as BytePS numbers them)."""
-        return self.worker_id * self.local_size + self.local_rank
+        return self.first_rank(self.worker_id) + self.local_rank
 
-    def local_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Return the groups of local ranks that reduce together first (PCIe switch or NUMA node)."""
+    def first_rank(self, machine: int) -> int:
+        """Global rank of ``machine``'s local rank 0."""
+        return sum(self.sizes[:machine])
+
+    @property
+    def cross_size(self) -> int:
+        """Machines that run a process of this local rank (Horovod's cross communicator)."""
+        return sum(n > self.local_rank for n in self.sizes)
+
+    @property
+    def cross_rank(self) -> int:
+        """This machine's index among those of :attr:`cross_size`."""
+        return sum(n > self.local_rank for n in self.sizes[: self.worker_id])
+
+    def machine_of(self, rank: int) -> int:
+        """The machine (``DMLC_WORKER_ID``) that global ``rank`` runs on."""
+        return bisect.bisect_right(list(itertools.accumulate(self.sizes)), rank)
+
+    def local_groups(self, machine: int | None = None) -> tuple[tuple[int, ...], ...]:
+        """Return the groups of local ranks that reduce together first (PCIe switch or NUMA node) on
+        ``machine`` (default this process's)."""
         if self.local_topology is not None:
             return self.local_topology
-        step = self.pcie_switch_size or self.local_size
-        return tuple(tuple(range(s, min(s + step, self.local_size))) for s in range(0, self.local_size, step))
+        size = self.sizes[self.worker_id if machine is None else machine]
+        step = self.pcie_switch_size or size
+        return tuple(tuple(range(s, min(s + step, size))) for s in range(0, size, step))
 
 
 def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
@@ -211,6 +269,7 @@ def comm_config(env: Mapping[str, str] = os.environ) -> CommConfig:
         root_port=root_port,
         local_rank=_read(env, "BYTEPS_LOCAL_RANK", _int(0), 0),
         local_size=_read(env, "BYTEPS_LOCAL_SIZE", _int(1), 1),
+        machine_sizes=_read(env, "TAGPS_MACHINE_SIZES", _sizes, None),
         dist_port=_read(env, "TAGPS_DIST_PORT", _int(1), default_dist_port),
         dist_backend=_read(
             env, "TAGPS_DIST_BACKEND", _choice("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"), "auto"

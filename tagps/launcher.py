@@ -76,6 +76,7 @@ _LAYOUT_VARS = (
     "BYTEPS_LOCAL_RANK",
     "BYTEPS_LOCAL_SIZE",
     "TAGPS_DIST_PORT",
+    "TAGPS_MACHINE_SIZES",
 )
 
 
@@ -397,7 +398,7 @@ def local_job(
     command: Sequence[str],
     num_workers: int,
     num_servers: int,
-    local_size: int,
+    local_size: int | Sequence[int],
     env: Mapping[str, str] = os.environ,
     host: str = "127.0.0.1",
 ) -> list[ProcessSpec]:
@@ -411,7 +412,8 @@ def local_job(
         command: the worker command.
         num_workers: worker machines ``W`` (``DMLC_NUM_WORKER``), >= 1.
         num_servers: servers ``S`` (``DMLC_NUM_SERVER``), >= 0.
-        local_size: processes per worker machine ``L`` (``BYTEPS_LOCAL_SIZE``), >= 1.
+        local_size: processes per worker machine ``L`` (``BYTEPS_LOCAL_SIZE``), >= 1, or one count per
+            machine (``TAGPS_MACHINE_SIZES``) for machines of different sizes.
         env: the environment the children inherit (layout variables are replaced).
         host: the scheduler's address; the machines bind to :func:`machine_hosts` of it, server ``s`` to
             machine ``s mod W``'s.
@@ -421,21 +423,26 @@ def local_job(
     """
     if not command:
         raise ValueError("--local needs a worker command after --")
+    sizes = [local_size] * num_workers if isinstance(local_size, int) else list(local_size)
     for name, value, least in (
         ("--local", num_workers, 1),
         ("--servers", num_servers, 0),
-        ("--local-size", local_size, 1),
+        *(("--local-size", n, 1) for n in sizes),
     ):
         if value < least:
             raise ValueError(f"{name} must be >= {least}, got {value}")
+    if len(sizes) != num_workers:
+        raise ValueError(f"--local-size names {len(sizes)} machines' sizes, but --local is {num_workers}")
     root_port, dist_port = free_ports(2, host)
     machines = machine_hosts(num_workers, host)
-    common = dict(
+    common: dict[str, object] = dict(
         DMLC_NUM_WORKER=num_workers,
         DMLC_NUM_SERVER=num_servers,
         DMLC_PS_ROOT_URI=host,
         DMLC_PS_ROOT_PORT=root_port,
     )
+    if not isinstance(local_size, int):
+        common["TAGPS_MACHINE_SIZES"] = ",".join(map(str, sizes))
     specs = []
     if num_servers:
         specs.append(
@@ -456,14 +463,14 @@ def local_job(
             for s in range(num_servers)
         ]
     for w in range(num_workers):
-        for r in range(local_size):
+        for r in range(sizes[w]):
             worker_env = _child_env(
                 env,
                 DMLC_ROLE="worker",
                 DMLC_WORKER_ID=w,
                 DMLC_NODE_HOST=machines[w],
                 BYTEPS_LOCAL_RANK=r,
-                BYTEPS_LOCAL_SIZE=local_size,
+                BYTEPS_LOCAL_SIZE=sizes[w],
                 TAGPS_DIST_PORT=dist_port,
                 **common,
             )
@@ -542,9 +549,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int, metavar="S", help="servers in local mode (default 1)")
     p.add_argument(
         "--local-size",
-        type=int,
+        type=_local_sizes,
         metavar="L",
-        help="processes per worker machine in local mode (default: as BYTEPS_LOCAL_SIZE)",
+        help="processes per worker machine in local mode (default: as BYTEPS_LOCAL_SIZE), or one count "
+        "per machine, e.g. 1,2 (TAGPS_MACHINE_SIZES)",
     )
     p.add_argument(
         "--grace",
@@ -555,6 +563,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
     return p
+
+
+def _local_sizes(raw: str) -> int | list[int]:
+    """``--local-size``: ``L``, or ``L0,L1,...`` for machines of different sizes."""
+    sizes = [int(part) for part in raw.split(",")]
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 _JOB_DIR_PREFIX = "tagps-job-"

@@ -27,8 +27,8 @@ def _host(machine: int) -> str:
 
 
 def hosts(cfg: CommConfig) -> str:
-    """Return the job's machines as ``horovodrun -H`` takes them: ``node0:L,node1:L,...``."""
-    return ",".join(f"{_host(m)}:{cfg.local_size}" for m in range(cfg.num_worker))
+    """Return the job's machines as ``horovodrun -H`` takes them: ``node0:L0,node1:L1,...``."""
+    return ",".join(f"{_host(m)}:{n}" for m, n in enumerate(cfg.sizes))
 
 
 def slot_env(cfg: CommConfig, addr: str, port: int, iface: str) -> dict[str, str]:
@@ -51,8 +51,8 @@ def slot_env(cfg: CommConfig, addr: str, port: int, iface: str) -> dict[str, str
         "HOROVOD_SIZE": str(cfg.size),
         "HOROVOD_LOCAL_RANK": str(cfg.local_rank),
         "HOROVOD_LOCAL_SIZE": str(cfg.local_size),
-        "HOROVOD_CROSS_RANK": str(cfg.worker_id),
-        "HOROVOD_CROSS_SIZE": str(cfg.num_worker),
+        "HOROVOD_CROSS_RANK": str(cfg.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(cfg.cross_size),
     }
 
 

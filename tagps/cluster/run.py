@@ -99,9 +99,9 @@ class Cluster:
     ) -> list[ProcessSpec]:
         """Describe a job: scheduler and servers (when there are servers), then one worker per device.
 
-        Worker ranks follow ``devices`` (machine-major, the order plans use). When every machine used has
-        the same number of devices ``L``, each machine is one BytePS worker of ``L`` local ranks (so the
-        ``ps`` path reduces inside it first); otherwise every device is a worker of its own. The scheduler
+        Worker ranks follow ``devices`` (machine-major, the order plans use). Each machine used is one
+        BytePS worker whose devices are its local ranks, so the ``ps`` path reduces inside it first and
+        pushes once per machine, whatever the machines' sizes (``TAGPS_MACHINE_SIZES``). The scheduler
         and ``torch.distributed``'s rendezvous (rank 0) share the first device's machine.
 
         Args:
@@ -133,9 +133,8 @@ class Cluster:
         for d in devices:
             machine, index = d.split(":")
             per_machine.setdefault(machine, []).append(int(index))
-        sizes = {len(v) for v in per_machine.values()}
-        local_size = sizes.pop() if len(sizes) == 1 else 1
-        num_workers = len(devices) // local_size
+        sizes = [len(v) for v in per_machine.values()]
+        num_workers = len(sizes)
         num_servers = sum(servers.values())
         first = next(iter(per_machine))
         root_port = random.randrange(20000, 60000, 2)  # fresh namespaces: nothing else listens there
@@ -145,6 +144,7 @@ class Cluster:
             "DMLC_PS_ROOT_URI": self.address(first),
             "DMLC_PS_ROOT_PORT": str(root_port),
             "TAGPS_DIST_PORT": str(root_port + 1),
+            "TAGPS_MACHINE_SIZES": ",".join(map(str, sizes)),
             "GLOO_SOCKET_IFNAME": "eth0",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
@@ -162,18 +162,19 @@ class Cluster:
             specs.append(service(f"scheduler@{first}", first, "scheduler"))
             for machine, count in servers.items():
                 specs += [service(f"server {machine}.{s}", machine, "server") for s in range(count)]
-        for rank, d in enumerate(devices):
-            machine = d.split(":")[0]
-            worker_env = {
-                **base,
-                "DMLC_ROLE": "worker",
-                "DMLC_WORKER_ID": str(rank // local_size),
-                "DMLC_NODE_HOST": self.address(machine),
-                "BYTEPS_LOCAL_RANK": str(rank % local_size),
-                "BYTEPS_LOCAL_SIZE": str(local_size),
-                "TAGPS_DEVICE": d,
-            }
-            specs.append(ProcessSpec(f"worker {d}", tuple(self.exec_argv(machine, command)), worker_env))
+        for worker_id, (machine, indices) in enumerate(per_machine.items()):
+            for local_rank, index in enumerate(indices):
+                worker_env = {
+                    **base,
+                    "DMLC_ROLE": "worker",
+                    "DMLC_WORKER_ID": str(worker_id),
+                    "DMLC_NODE_HOST": self.address(machine),
+                    "BYTEPS_LOCAL_RANK": str(local_rank),
+                    "BYTEPS_LOCAL_SIZE": str(len(indices)),
+                    "TAGPS_DEVICE": f"{machine}:{index}",
+                }
+                argv = tuple(self.exec_argv(machine, command))
+                specs.append(ProcessSpec(f"worker {machine}:{index}", argv, worker_env))
         return specs
 
     def run(

@@ -268,8 +268,10 @@ class PSService(_Summation):
         # CUDA tensors of a switch group reduce over NCCL first; then only the leaders meet on the host.
         self._switch: tuple[Any, int] | None = None
         self._leaders: LocalReducer | None = None
-        if collectives.uses_nccl(cfg) and any(len(g) > 1 for g in groups):
-            self._switch = self._switch_groups(cfg, groups)
+        # Decided on every machine's groups: creating the switch groups is collective over the whole job.
+        everywhere = (g for m in range(cfg.num_worker) for g in cfg.local_groups(m))
+        if collectives.uses_nccl(cfg) and any(len(g) > 1 for g in everywhere):
+            self._switch = self._switch_groups(cfg)
             leaders = [g[0] for g in groups]
             self._leaders = LocalReducer(
                 leaders, [[r] for r in leaders], cfg.local_rank, cfg.worker_id, cross, cfg.dist_timeout_s,
@@ -277,12 +279,12 @@ class PSService(_Summation):
             )  # fmt: skip
 
     @staticmethod
-    def _switch_groups(cfg: CommConfig, groups: tuple[tuple[int, ...], ...]) -> tuple[Any, int]:
+    def _switch_groups(cfg: CommConfig) -> tuple[Any, int]:
         """Create every machine's switch groups (collectively) and return this process's and its leader."""
         mine: tuple[Any, int] = (None, cfg.rank)
         for machine in range(cfg.num_worker):
-            for g in groups:
-                ranks = [machine * cfg.local_size + r for r in g]
+            for g in cfg.local_groups(machine):
+                ranks = [cfg.first_rank(machine) + r for r in g]
                 pg = dist.new_group(ranks)
                 if cfg.rank in ranks:
                     mine = (pg, ranks[0])
@@ -297,7 +299,8 @@ class PSService(_Summation):
         and give the same outcome on every process.
 
         Args:
-            ranks: global ranks (machine-major, ``DMLC_WORKER_ID * local_size + local_rank``).
+            ranks: global ranks (machine-major: the machines' local sizes before ``DMLC_WORKER_ID``, plus
+                ``local_rank``).
 
         Returns:
             The :class:`PSSubset` of these ranks; closed with this service.
@@ -347,8 +350,9 @@ class PSSubset(_Summation):
 
     def __init__(self, cfg: CommConfig, client: Any, ranks: Sequence[int]) -> None:
         self.ranks = check_subset_ranks(cfg, ranks)
-        machines = tuple(sorted({r // cfg.local_size for r in self.ranks}))
-        local = [r % cfg.local_size for r in self.ranks if r // cfg.local_size == cfg.worker_id]
+        machines = tuple(sorted({cfg.machine_of(r) for r in self.ranks}))
+        first = cfg.first_rank(cfg.worker_id)
+        local = [r - first for r in self.ranks if cfg.machine_of(r) == cfg.worker_id]
         member = cfg.rank in self.ranks
         # Only the machines' local ranks 0 push (the check above made them members when they must push).
         pusher = member and cfg.local_rank == 0 and len(machines) > 1
@@ -396,10 +400,10 @@ def check_subset_ranks(cfg: CommConfig, ranks: Sequence[int]) -> tuple[int, ...]
         )
     by_machine: dict[int, list[int]] = {}
     for r in ordered:
-        by_machine.setdefault(r // cfg.local_size, []).append(r)
+        by_machine.setdefault(cfg.machine_of(r), []).append(r)
     if len(by_machine) > 1:
         for machine, members in by_machine.items():
-            root = machine * cfg.local_size
+            root = cfg.first_rank(machine)
             if members[0] != root:
                 raise ValueError(
                     f"ps over the ranks {list(ordered)}: machine {machine} takes part with ranks {members} "

@@ -195,19 +195,18 @@ def local_rank() -> int:
 
 
 def cross_size() -> int:
-    """Return the number of machines (Horovod: the processes with this local rank)."""
-    return ops.state().cfg.num_worker
+    """Return the number of machines that run a process of this local rank (Horovod's meaning)."""
+    return ops.state().cfg.cross_size
 
 
 def cross_rank() -> int:
-    """Return this machine's index (Horovod: the rank among the processes with this local rank)."""
-    return ops.state().cfg.worker_id
+    """Return this machine's index among those of :func:`cross_size` (Horovod's meaning)."""
+    return ops.state().cfg.cross_rank
 
 
 def is_homogeneous() -> bool:
-    """Return ``True``: every machine runs ``BYTEPS_LOCAL_SIZE`` processes."""
-    ops.state()
-    return True
+    """Return whether every machine runs the same number of worker processes (``TAGPS_MACHINE_SIZES``)."""
+    return len(set(ops.state().cfg.sizes)) == 1
 
 
 def _start(

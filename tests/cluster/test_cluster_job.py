@@ -117,11 +117,19 @@ def test_job_layout_uniform_machines_are_bytesps_workers_with_local_ranks() -> N
     assert "tagps-9-b" in specs[-1].argv and specs[-1].argv[-1] == "train"
 
 
-def test_job_layout_uneven_machines_make_one_worker_per_device() -> None:
+def test_job_layout_uneven_machines_are_workers_of_their_own_sizes() -> None:
     spec = ClusterSpec("v", (MachineSpec("a", 2), MachineSpec("b", 1)))
+    specs = _offline_cluster(spec).job(["train"])
+    # One BytePS worker per machine, so that a's two ranks reduce locally and push once.
+    names = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE")
+    layout = [tuple(s.env[k] for k in names) for s in specs]
+    assert layout == [("0", "0", "2"), ("0", "1", "2"), ("1", "0", "1")]
+    assert {s.env["TAGPS_MACHINE_SIZES"] for s in specs} == {"2,1"}
+    assert {s.env["DMLC_NUM_WORKER"] for s in specs} == {"2"}
     specs = _offline_cluster(spec).job(["train"], devices=["a:1", "b:0"])
     assert [s.label for s in specs] == ["worker a:1", "worker b:0"]  # no servers: no scheduler
     assert [(s.env["DMLC_WORKER_ID"], s.env["BYTEPS_LOCAL_SIZE"]) for s in specs] == [("0", "1"), ("1", "1")]
+    assert [s.env["TAGPS_DEVICE"] for s in specs] == ["a:1", "b:0"]
     with pytest.raises(ValueError, match="machine-major order"):
         _offline_cluster(spec).job(["train"], devices=["b:0", "a:0"])
     with pytest.raises(ValueError, match="distinct names"):

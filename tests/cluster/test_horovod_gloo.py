@@ -57,6 +57,22 @@ def test_slot_env_numbers_ranks_machine_major() -> None:
     assert ranks == list(range(6))
 
 
+def test_slot_env_of_machines_of_different_sizes() -> None:
+    # Machines of 1, 2 and 2 processes: ranks count the processes before; local rank 1 lives on two.
+    cfgs = [
+        CommConfig(num_worker=3, worker_id=m, local_rank=r, local_size=n, machine_sizes=(1, 2, 2))
+        for m, n in enumerate((1, 2, 2))
+        for r in range(n)
+    ]
+    assert hosts(cfgs[0]) == "node0:1,node1:2,node2:2"
+    envs = [slot_env(c, "a", 1, "lo") for c in cfgs]
+    assert [e["HOROVOD_RANK"] for e in envs] == ["0", "1", "2", "3", "4"]
+    assert {e["HOROVOD_SIZE"] for e in envs} == {"5"}
+    assert [(e["HOROVOD_CROSS_RANK"], e["HOROVOD_CROSS_SIZE"]) for e in envs] == [
+        ("0", "3"), ("1", "3"), ("0", "2"), ("2", "3"), ("1", "2"),
+    ]  # fmt: skip
+
+
 def test_horovod_refuses_general_plans() -> None:
     plan = dp_nccl(Simulator.for_model("mlp-mini", LOCAL, groups=2), 8, "sgd")
     general = dataclasses.replace(plan, kind="general")

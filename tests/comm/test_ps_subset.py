@@ -52,6 +52,18 @@ def test_subset_of_two_machines_with_two_local_ranks(tmp_path: Path) -> None:
         assert second is not None and "machine 1 takes part with ranks [3]" in second, second
 
 
+@pytest.mark.timeout(200)
+def test_machines_of_different_sizes_push_once_each(tmp_path: Path) -> None:
+    # Machines of 1 and 2 processes (TAGPS_MACHINE_SIZES=1,2): rank 1 is machine 1's local rank 0, so
+    # {0, 1} crosses machines through the server; {1, 2} is machine 1's shared memory alone.
+    case = {"subsets": [[0, 1], [1, 2]], "refused": [[0, 2]]}
+    results = run_job(WORKER, tmp_path, case, workers=2, servers=1, local_size=[1, 2])
+    _check_sums(results, {"s0": {0, 1}, "s1": {1, 2}, "all": {0, 1, 2}})
+    for result in results:
+        (refused,) = result["refused"]
+        assert refused is not None and "machine 1 takes part with ranks [2] (local ranks [1])" in refused
+
+
 @pytest.mark.parametrize(
     ("ranks", "message"),
     [

@@ -272,6 +272,30 @@ def test_local_topology_config() -> None:
         init_process_group(comm_config({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1"}))
 
 
+def test_machines_of_different_sizes_number_ranks_machine_major() -> None:
+    base = {"DMLC_NUM_WORKER": "3", "TAGPS_MACHINE_SIZES": "1,2,2"}
+    layout = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE")
+    cfgs = [
+        comm_config(base | dict(zip(layout, map(str, (m, r, n)), strict=True)))
+        for m, n in enumerate((1, 2, 2))
+        for r in range(n)
+    ]
+    assert [c.rank for c in cfgs] == [0, 1, 2, 3, 4] and {c.size for c in cfgs} == {5}
+    assert [cfgs[0].machine_of(r) for r in range(5)] == [0, 1, 1, 2, 2]
+    assert [cfgs[0].first_rank(m) for m in range(3)] == [0, 1, 3]
+    assert [cfgs[0].local_groups(m) for m in range(3)] == [((0,),), ((0, 1),), ((0, 1),)]
+    assert comm_config(base | {"DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_SIZE": "2"}).local_groups() == ((0, 1),)
+    for bad, message in (
+        ({"TAGPS_MACHINE_SIZES": "1,2"}, "must name 3 machines"),
+        ({"BYTEPS_LOCAL_SIZE": "2"}, "gives machine 0 1 processes, but BYTEPS_LOCAL_SIZE=2"),
+        ({"TAGPS_MACHINE_SIZES": "1,0,2"}, "at least one worker process"),
+        ({"TAGPS_MACHINE_SIZES": "1,x,2"}, "like 1,2,2"),
+        ({"TAGPS_LOCAL_TOPOLOGY": "0"}, "cannot hold for machines of different sizes"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            comm_config({**base, **bad})
+
+
 def test_top_level_distributed_optimizer(world_of_one: None) -> None:
     model = _mlp()
     opt = tagps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
