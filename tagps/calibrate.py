@@ -43,6 +43,7 @@ from tagps.atomic import write_text_atomic
 from tagps.strategy.calibration import (
     FITTED,
     HOST_CPU,
+    RUNTIME_CPU,
     Calibration,
     CommSample,
     ComputeSample,
@@ -587,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cal = refit_runs(before)
         except ValueError as exc:
             p.exit(2, f"python -m tagps.calibrate --refit: {exc}\n")
-        for name in ("collective_step_s", "collective_call_s", "ps_call_s"):
+        for name in RUNTIME_CPU:
             print(f"{name:<20} {getattr(before, name) * 1e6:9.1f} us -> {getattr(cal, name) * 1e6:9.1f} us")
         print(f"job fit on {len(cal.job_runs)} recorded runs: mean error "
               f"{before.fit_error.get('jobs', float('nan')):.1%} -> {cal.fit_error['jobs']:.1%}")  # fmt: skip

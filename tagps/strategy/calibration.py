@@ -64,6 +64,7 @@ __all__ = [
     "CALIBRATION_VERSION",
     "FITTED",
     "HOST_CPU",
+    "RUNTIME_CPU",
     "Calibration",
     "CommSample",
     "ComputeSample",
@@ -609,7 +610,7 @@ class RunSample:
         return cls(name, graph, grouping, plan.topology, plan, measured)
 
 
-_RUNTIME_CPU = ("collective_step_s", "collective_call_s", "ps_call_s")  # what fit_runs fits
+RUNTIME_CPU = ("collective_step_s", "collective_call_s", "ps_call_s")  # what fit_runs fits
 
 
 def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration, float]:
@@ -634,8 +635,8 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
         raise ValueError(f"fitting the runtimes' CPU constants needs at least 4 runs, got {len(runs)}")
     from scipy.optimize import least_squares
 
-    names = _RUNTIME_CPU
-    units = (1e-3, 1e-3, 1e-3)  # fitted in milliseconds
+    names = RUNTIME_CPU
+    units = (1e-3,) * len(names)  # fitted in milliseconds
 
     def with_x(x: Sequence[float]) -> Calibration:
         return dataclasses.replace(start, **_constants(names, units, x))
@@ -650,8 +651,9 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
     # A CPU cost hidden behind the wire or compute has no slope, so a fit that starts below the point where
     # it surfaces stays there; a second start above every such point descends onto it. Starts inside the
     # ranges (0 means not costed yet): 50 us is a Python-level message, 1 ms more than any call costs.
-    x0 = [(getattr(start, n) or 50e-6) / u for n, u in zip(names, units, strict=True)]
-    fits = [least_squares(residuals, x, bounds=_box(names, units), diff_step=0.05) for x in (x0, [1.0] * 3)]
+    low = [(getattr(start, n) or 50e-6) / u for n, u in zip(names, units, strict=True)]
+    high = [1e-3 / u for u in units]
+    fits = [least_squares(residuals, x, bounds=_box(names, units), diff_step=0.05) for x in (low, high)]
     fit = min(fits, key=lambda f: f.cost)
     cal = dataclasses.replace(with_x(fit.x), job_runs=tuple(r.to_dict() for r in runs))
     errors = [abs(predict(cal, r) / r.measured_s - 1) for r in runs]
@@ -672,6 +674,6 @@ def refit_runs(cal: Calibration) -> Calibration:
             "the calibration recorded no job runs to refit on; run `python -m tagps.calibrate` (with jobs)"
         )
     # From the start the calibration's own fit had (not costed yet), so a refit is that fit, reproduced.
-    start = dataclasses.replace(cal, **dict.fromkeys(_RUNTIME_CPU, 0.0))
+    start = dataclasses.replace(cal, **dict.fromkeys(RUNTIME_CPU, 0.0))
     refitted, error = fit_runs(start, [RunSample.from_dict(r) for r in cal.job_runs])
     return dataclasses.replace(refitted, fit_error={**cal.fit_error, "jobs": error})
