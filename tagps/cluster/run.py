@@ -19,12 +19,15 @@ shared by everything that machine runs. ``torch.distributed`` traffic leaves thr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import select
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,16 +45,23 @@ __all__ = ["STATE_DIR", "Cluster", "attach", "down", "down_all", "up"]
 
 STATE_DIR = Path("/run/tagps")
 _PROBE_PORT = 7000
-# A device's compute rate: single-threaded float32 matmuls of this size, for this long.
+# A device's compute rate: single-threaded float32 matmuls of this size, counted over a window of wall-clock
+# time that the parent gives every probe of a machine once all of them are ready (stdin: start and end), so
+# that all of them compete for the quota the whole window (one that started or ended alone would read
+# the machine's whole quota).
 _FLOPS_PROBE = (
     "import sys, time, torch\n"
     "torch.set_num_threads(1)\n"
     "a = torch.randn(256, 256); b = torch.randn(256, 256)\n"
     "for _ in range(3): a @ b\n"
-    "n, start = 0, time.perf_counter()\n"
-    "while time.perf_counter() - start < float(sys.argv[1]): a @ b; n += 1\n"
-    "print(2 * 256 ** 3 * n / (time.perf_counter() - start))\n"
+    "print('ready', flush=True)\n"
+    "start, end = map(float, sys.stdin.readline().split())\n"
+    "while time.time() < start: a @ b\n"
+    "n = 0\n"
+    "while time.time() < end: a @ b; n += 1\n"
+    "print(2 * 256 ** 3 * n / (end - start))\n"
 )
+_PROBE_READY_S = 120.0  # importing torch on a small share of a core, with every probe of the machine at it
 
 
 def _state_path(name: str) -> Path:
@@ -202,22 +212,50 @@ class Cluster:
     def device_flops(self, machine: MachineSpec, seconds: float = 3.0) -> float:
         """Measure a device's float32 matmul rate on ``machine``: all its devices busy at once, the mean.
 
-        ``seconds`` spans many periods of the machine's CPU quota, which quantize a short probe: on the
-        2-core host, under the former 100 ms period, five 1 s probes of a 0.7-core machine with 2 devices
-        read 25-32 GFLOP/s, five 3 s ones 27-30.
+        Every probe counts its matmuls over the same window of ``seconds``, which starts once all of them
+        have imported torch: a probe that ran part of its time alone (the others still importing, or
+        done) would read the share of the whole machine, not of one device. ``seconds`` spans many
+        periods of the machine's CPU quota, which quantize a short probe.
+
+        Raises:
+            RuntimeError: a probe failed, or was not ready within two minutes.
         """
-        argv = self.exec_argv(machine.name, [sys.executable, "-c", _FLOPS_PROBE, str(seconds)])
+        argv = self.exec_argv(machine.name, [sys.executable, "-c", _FLOPS_PROBE])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [
-            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for _ in range(machine.workers)
-        ]
-        rates = []
-        for p in procs:
-            out, err = p.communicate(timeout=seconds + 120)
-            if p.returncode != 0:
-                raise RuntimeError(f"compute probe on {machine.name!r} failed: {err.strip()}")
-            rates.append(float(out))
+        with contextlib.ExitStack() as stack:
+            procs = [
+                stack.enter_context(
+                    subprocess.Popen(
+                        argv,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        env=env,
+                    )
+                )
+                for _ in range(machine.workers)
+            ]
+            stack.callback(lambda: [p.kill() for p in procs if p.poll() is None])  # before their exits wait
+            deadline = time.monotonic() + _PROBE_READY_S
+            for p in procs:
+                ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready or p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                    p.kill()
+                    raise RuntimeError(
+                        f"compute probe on {machine.name!r} failed or not ready in {_PROBE_READY_S:.0f} s: "
+                        f"{p.communicate()[1].strip()[-2000:]}"
+                    )
+            start = time.time() + 0.05  # every probe reads its line well before it
+            for p in procs:
+                p.stdin.write(f"{start!r} {start + seconds!r}\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]  # (communicate closes it)
+            rates = []
+            for p in procs:
+                out, err = p.communicate(timeout=seconds + 60)
+                if p.returncode != 0:
+                    raise RuntimeError(f"compute probe on {machine.name!r} failed: {err.strip()[-2000:]}")
+                rates.append(float(out))
         return statistics.mean(rates)
 
     def topology(self, seconds: float = 0.5) -> Topology:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,6 +157,30 @@ def test_a_server_only_machine_runs_servers_and_no_worker() -> None:
     specs = _offline_cluster(spec).job(["train"], servers=plan_servers(plan))
     assert [s.label for s in specs] == ["scheduler@a", "server s.0", "worker a:0", "worker b:0"]
     assert "tagps-9-s" in specs[1].argv and specs[1].env["DMLC_ROLE"] == "server"
+
+
+@pytest.mark.timeout(120)
+def test_a_machines_compute_probes_count_over_one_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two devices on one core, the second started 1.5 s late (while the first imports torch): each must
+    # read about half of what a device alone on that core reads. A probe that timed its own span would run
+    # part of it alone and read most of the core.
+    if shutil.which("taskset") is None:
+        pytest.skip("needs taskset (util-linux) to put both probes on one core")
+    spec = ClusterSpec("f", (MachineSpec("pair", 2), MachineSpec("alone", 1)))
+    cluster = _offline_cluster(spec)
+    late = f'mkdir {tmp_path / "first"} 2>/dev/null || sleep 1.5; exec "$@"'  # the first to start wins
+    monkeypatch.setattr(
+        cluster, "exec_argv", lambda machine, argv: ["taskset", "-c", "0", "sh", "-c", late, "probe", *argv]
+    )
+    shared = cluster.device_flops(spec.machines[0], seconds=1.0)
+    alone = cluster.device_flops(spec.machines[1], seconds=1.0)
+    assert 0.35 < shared / alone < 0.65
+    # A probe that dies before it is ready is an error that says why, not a wait for its window.
+    monkeypatch.setattr(cluster, "exec_argv", lambda machine, argv: ["sh", "-c", "echo no torch >&2; exit 3"])
+    with pytest.raises(RuntimeError, match=r"compute probe on 'pair' failed.*no torch"):
+        cluster.device_flops(spec.machines[0], seconds=1.0)
 
 
 def test_without_root_every_command_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
