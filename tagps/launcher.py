@@ -567,7 +567,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _local_sizes(raw: str) -> int | list[int]:
     """``--local-size``: ``L``, or ``L0,L1,...`` for machines of different sizes."""
-    sizes = [int(part) for part in raw.split(",")]
+    try:
+        sizes = [int(part) for part in raw.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a process count, or one per machine such as 1,2; got {raw!r}"
+        ) from None
     return sizes[0] if len(sizes) == 1 else sizes
 
 

@@ -27,6 +27,7 @@ from tagps.launcher import (
     free_ports,
     local_job,
     machine_hosts,
+    main,
     role_job,
     run_processes,
     share_cores,
@@ -299,6 +300,16 @@ def test_local_job_rejects_bad_arguments(args: tuple, message: str) -> None:
     w, s, size, command = args
     with pytest.raises(ValueError, match=message):
         local_job(command, w, s, size)
+
+
+@pytest.mark.parametrize("raw", ["x", "1,,2", "2.5"])
+def test_bad_local_size_names_what_it_expects(raw: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--local", "2", "--local-size", raw, "--", "true"])
+    assert exc.value.code == 2
+    assert f"--local-size: expected a process count, or one per machine such as 1,2; got {raw!r}" in (
+        capsys.readouterr().err
+    )
 
 
 def test_success_leaves_nothing_behind(child: tuple[Path, Path]) -> None:
