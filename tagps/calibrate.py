@@ -13,7 +13,8 @@
 4. **Fit on whole jobs**: train ``mlp-mini`` and ``encoder-mini`` on that cluster with DDP, tagps
    all-reduce and tagps PS, and fit what the runtimes add to the links' costs: the CPU of each ring step
    of a collective on every rank and of each push_pull call on every rank, which a quota'd machine runs
-   slowly.
+   slowly. Beside them, back-to-back small all-reduces (rings of 3 and 6) and push_pulls on that cluster
+   measure the same costs outside a training step: the micro-benchmarks the fit is compared with.
 
 At the end it prints each fitted constant beside the micro-benchmark it is a fraction or a counterpart of
 (matmul rate, copy bandwidth, one op's dispatch, half a TCP round trip, TCP goodput) with its physical
@@ -32,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -65,6 +67,7 @@ __all__ = [
     "default_path",
     "main",
     "measure_dispatch",
+    "measure_runtime_cpu",
     "measure_sum_bandwidth",
     "profile_step",
 ]
@@ -329,6 +332,36 @@ def _allreduce_probe(out: str, reps: int) -> None:
     bps.shutdown()
 
 
+def _runtime_cpu_probe(out: str, calls: int) -> None:
+    """Worker of the runtime-CPU micro-benchmarks: ``calls`` back-to-back sums of a 1 KiB tensor through the
+    path the executor's buckets take (``ops.start_sum``), all-reduce and, where the job has servers,
+    push_pull; rank 0 writes every rank's process CPU seconds per call of each."""
+    import torch
+    import torch.distributed as dist
+
+    import tagps.torch as bps
+    from tagps.config import comm_config
+    from tagps.torch import ops
+
+    torch.set_num_threads(1)
+    bps.init()
+    tensor = torch.ones(256)
+    per_call: dict[str, float] = {}
+    for method in ("allreduce", "ps") if comm_config().num_server else ("allreduce",):
+        for _ in range(20):  # warm-up: connections, declarations, first allocations
+            ops.start_sum(tensor, method=method, name="cpu-probe").wait()
+        dist.barrier()
+        start = time.process_time()  # every thread of the process: the transport's and the engine's too
+        for _ in range(calls):
+            ops.start_sum(tensor, method=method, name="cpu-probe").wait()
+        per_call[method] = (time.process_time() - start) / calls
+    everyone: list[Any] = [None] * bps.size()
+    dist.all_gather_object(everyone, per_call)
+    if bps.rank() == 0:
+        write_text_atomic(out, json.dumps({m: [r[m] for r in everyone] for m in per_call}))
+    bps.shutdown()
+
+
 def _run_logged(run: Callable[[Any], int], what: str) -> None:
     with tempfile.TemporaryFile() as log:
         status = run(log)
@@ -385,6 +418,33 @@ def _cluster_allreduces(
             data = json.loads(Path(out).read_text())
             samples += [CommSample(int(s), 2, bandwidth, inter, t) for s, t in data.items()]
     return samples, refs
+
+
+def measure_runtime_cpu(cluster: Any, calls: int) -> dict[str, Reference]:
+    """The micro-benchmarks beside the runtime CPU constants that :func:`fit_runs` fits: back-to-back small
+    all-reduces on rings of 3 (``ca``) and 6 ranks, whose CPU per call is ``call + 2 (n - 1) step`` (solved
+    for both), and back-to-back push_pulls of the 6 ranks to a server on each machine. A fit far from them
+    is a cost of whole jobs (hooks, buckets, contention) that back-to-back calls do not show."""
+    per_call = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "runtime-cpu.json")
+        argv = [sys.executable, "-m", "tagps.calibrate", "--runtime-cpu-probe", out, "--reps", str(calls)]
+        machines = CALIBRATION_CLUSTER["machines"]
+        devices = [f"{m['name']}:{i}" for m in machines for i in range(m["workers"])]
+        for ring, servers in ((3, {}), (6, {m["name"]: 1 for m in machines})):
+            _run_logged(
+                lambda log, d=devices[:ring], s=servers: cluster.run(argv, devices=d, servers=s, out=log),
+                f"runtime CPU probe on {ring} ranks",
+            )
+            data = json.loads(Path(out).read_text())
+            per_call.update({(m, ring): statistics.mean(v) for m, v in data.items()})
+    three, six = per_call[("allreduce", 3)], per_call[("allreduce", 6)]
+    step = (six - three) / (2 * (6 - 1) - 2 * (3 - 1))
+    return {
+        "collective_step_s": Reference("back-to-back 1 KiB all-reduces, 3 and 6 ranks: per step", step, "s"),
+        "collective_call_s": Reference("the same, per call beyond its steps", three - 4 * step, "s"),
+        "ps_call_s": Reference("back-to-back 1 KiB push_pulls, 6 ranks: per call", per_call[("ps", 6)], "s"),
+    }
 
 
 def _job_samples(executor: Any, models: Sequence[str], steps: int) -> list[RunSample]:
@@ -522,6 +582,7 @@ def calibrate_stages(
                     f"mean error {job_err:.1%}{_on_bound(cal)}"
                 )
                 stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
+                link_refs.update(measure_runtime_cpu(cluster, 100 if quick else 300))
     final = list(stages.values())[-1]
     log(constants_table(final, {**references, **link_refs}))
     for line in final.bound_warnings():
@@ -577,10 +638,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--out", help="calibration file (default: $TAGPS_CACHE_DIR/calibration.json)")
     p.add_argument("--allreduce-probe", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--runtime-cpu-probe", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.allreduce_probe:
         _allreduce_probe(args.allreduce_probe, args.reps)
+        return 0
+    if args.runtime_cpu_probe:
+        _runtime_cpu_probe(args.runtime_cpu_probe, args.reps)
         return 0
     if args.refit:
         try:

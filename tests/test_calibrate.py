@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tagps.calibrate import (
+    CALIBRATION_CLUSTER,
     Reference,
     constants_table,
     measure_dispatch,
     measure_ps_message_s,
+    measure_runtime_cpu,
     measure_sum_bandwidth,
 )
 from tagps.strategy.calibration import FITTED, HOST_CPU, Calibration
@@ -56,3 +63,43 @@ def test_measure_ps_message_s_is_a_servers_cpu_per_message() -> None:
     # The server's process (not the scheduler's, which idles): some microseconds of CPU per message.
     per_message = measure_ps_message_s(keys=8, seconds=0.5)
     assert HOST_CPU["message_overhead_s"].low < per_message < HOST_CPU["message_overhead_s"].high
+
+
+class _RecordingCluster:
+    """Stands in for the calibration cluster: each run writes the CPU per call its ring size is given."""
+
+    def __init__(self, per_call: dict[int, dict[str, float]]) -> None:
+        self.per_call, self.jobs = per_call, []
+
+    def run(self, argv: list[str], devices: list[str], servers: dict[str, int], out: Any) -> int:
+        self.jobs.append((devices, servers))
+        data = {m: [v] * len(devices) for m, v in self.per_call[len(devices)].items()}
+        Path(argv[argv.index("--runtime-cpu-probe") + 1]).write_text(json.dumps(data))
+        return 0
+
+
+def test_runtime_cpu_references_solve_rings_of_3_and_6_for_step_and_call() -> None:
+    # 1 ms per call on 3 ranks (4 steps), 2.2 ms on 6 (10 steps): 0.2 ms per step, 0.2 ms per call.
+    cluster = _RecordingCluster({3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.2e-3, "ps": 0.5e-3}})
+    refs = measure_runtime_cpu(cluster, calls=10)
+    assert refs["collective_step_s"].value == pytest.approx(0.2e-3)
+    assert refs["collective_call_s"].value == pytest.approx(0.2e-3)
+    assert refs["ps_call_s"].value == pytest.approx(0.5e-3)
+    machines = [m["name"] for m in CALIBRATION_CLUSTER["machines"]]
+    (three, no_servers), (six, servers) = cluster.jobs
+    assert len(three) == 3 and {d.split(":")[0] for d in three} == {machines[0]} and no_servers == {}
+    assert len(six) == 6 and servers == dict.fromkeys(machines, 1)
+
+
+@pytest.mark.timeout(120)
+def test_runtime_cpu_probe_measures_each_ranks_cpu_per_call(tmp_path: Path) -> None:
+    from tagps.launcher import local_job, run_processes
+
+    out = tmp_path / "cpu.json"
+    argv = [sys.executable, "-m", "tagps.calibrate", "--runtime-cpu-probe", str(out), "--reps", "50"]
+    with (tmp_path / "log").open("wb") as log:
+        assert run_processes(local_job(argv, 2, 1, 1, dict(os.environ)), out=log) == 0
+    data = json.loads(out.read_text())
+    assert sorted(data) == ["allreduce", "ps"]
+    # Some microseconds to some milliseconds of CPU per call on each of the 2 ranks (a 1 KiB tensor).
+    assert all(len(v) == 2 and all(1e-6 < x < 20e-3 for x in v) for v in data.values())
