@@ -182,6 +182,33 @@ def test_time_model_counts_the_median_pass_not_the_fastest(monkeypatch):
     assert whole.fwd_s == (2.0,) and whole.bwd_s == (5.0,)
 
 
+def test_time_model_times_every_optimizer_step_from_the_initial_weights(monkeypatch):
+    """A step that blows the weights up (the summed output is no loss to descend: a few SGD steps on it
+    left vgg-mini's weights NaN, where Adam ran 2x faster) must not carry over into the next timed step."""
+    import tagps.models
+    from tagps.strategy import profiles
+
+    seen = []
+
+    class Diverging:
+        def __init__(self, params):
+            self.params = list(params)
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.params:
+                p.grad = None
+
+        def step(self):
+            seen.append(all(bool(torch.isfinite(p).all()) for p in self.params))
+            with torch.no_grad():
+                for p in self.params:
+                    p.mul_(1e30)  # inf by the next step, NaN in a pass, unless the weights are restored
+
+    monkeypatch.setattr(tagps.models, "plan_optimizer", lambda name, params: Diverging(params))
+    profiles.time_model("mlp-mini", (2,), repeats=3)
+    assert len(seen) == 4 * len(profiles.OPTIMIZERS) and all(seen)
+
+
 def test_a_median_profile_keeps_the_median_of_every_time(mlp):
     from tagps.strategy.profiles import median_profile
 
