@@ -371,8 +371,9 @@ def _run_logged(run: Callable[[Any], int], what: str) -> None:
             raise RuntimeError(f"{what} failed with status {status}:\n{tail}")
 
 
-def _probe_argv(out: str, reps: int) -> list[str]:
-    return [sys.executable, "-m", "tagps.calibrate", "--allreduce-probe", out, "--reps", str(reps)]
+def _probe_argv(out: str, reps: int, probe: str = "--allreduce-probe") -> list[str]:
+    """The command line of one of this module's worker probes (``probe``: its hidden flag)."""
+    return [sys.executable, "-m", "tagps.calibrate", probe, out, "--reps", str(reps)]
 
 
 def _loopback_allreduces(reps: int) -> tuple[list[CommSample], dict[str, Reference]]:
@@ -428,7 +429,7 @@ def measure_runtime_cpu(cluster: Any, calls: int) -> dict[str, Reference]:
     per_call = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runtime-cpu.json")
-        argv = [sys.executable, "-m", "tagps.calibrate", "--runtime-cpu-probe", out, "--reps", str(calls)]
+        argv = _probe_argv(out, calls, "--runtime-cpu-probe")
         machines = CALIBRATION_CLUSTER["machines"]
         devices = [f"{m['name']}:{i}" for m in machines for i in range(m["workers"])]
         for ring, servers in ((3, {}), (6, {m["name"]: 1 for m in machines})):
@@ -438,11 +439,14 @@ def measure_runtime_cpu(cluster: Any, calls: int) -> dict[str, Reference]:
             )
             data = json.loads(Path(out).read_text())
             per_call.update({(m, ring): statistics.mean(v) for m, v in data.items()})
+    def steps(ring: int) -> int:  # of a ring all-reduce
+        return 2 * (ring - 1)
+
     three, six = per_call[("allreduce", 3)], per_call[("allreduce", 6)]
-    step = (six - three) / (2 * (6 - 1) - 2 * (3 - 1))
+    step = (six - three) / (steps(6) - steps(3))
     return {
         "collective_step_s": Reference("back-to-back 1 KiB all-reduces, 3 and 6 ranks: per step", step, "s"),
-        "collective_call_s": Reference("the same, per call beyond its steps", three - 4 * step, "s"),
+        "collective_call_s": Reference("the same, per call beyond its steps", three - steps(3) * step, "s"),
         "ps_call_s": Reference("back-to-back 1 KiB push_pulls, 6 ranks: per call", per_call[("ps", 6)], "s"),
     }
 
