@@ -13,8 +13,10 @@
 4. **Fit on whole jobs**: train ``mlp-mini`` and ``encoder-mini`` on that cluster with DDP, tagps
    all-reduce and tagps PS, and fit what the runtimes add to the links' costs: the CPU of each ring step
    of a collective on every rank and of each push_pull call on every rank, which a quota'd machine runs
-   slowly. Beside them, back-to-back small all-reduces (rings of 3 and 6) and push_pulls on that cluster
-   measure the same costs outside a training step: the micro-benchmarks the fit is compared with.
+   slowly. Before it, back-to-back small all-reduces (rings of 3 and 6) and push_pulls on that cluster
+   measure the same costs outside a training step: the micro-benchmarks the fit is compared with, and
+   the CPU a collective's steps and calls consume (``collective_step_cpu_s``, ``collective_call_cpu_s``),
+   which the simulator charges to each rank's machine quota.
 
 At the end it prints each fitted constant beside the micro-benchmark it is a fraction or a counterpart of
 (matmul rate, copy bandwidth, one op's dispatch, half a TCP round trip, TCP goodput) with its physical
@@ -421,11 +423,18 @@ def _cluster_allreduces(
     return samples, refs
 
 
-def measure_runtime_cpu(cluster: Any, calls: int) -> dict[str, Reference]:
-    """The micro-benchmarks beside the runtime CPU constants that :func:`fit_runs` fits: back-to-back small
-    all-reduces on rings of 3 (``ca``) and 6 ranks, whose CPU per call is ``call + 2 (n - 1) step`` (solved
-    for both), and back-to-back push_pulls of the 6 ranks to a server on each machine. A fit far from them
-    is a cost of whole jobs (hooks, buckets, contention) that back-to-back calls do not show."""
+def measure_runtime_cpu(cluster: Any, calls: int) -> tuple[dict[str, float], dict[str, Reference]]:
+    """Measure the CPU a collective consumes on each rank: back-to-back small all-reduces on rings of 3
+    (``ca``) and 6 ranks, whose CPU per call is ``call + 2 (n - 1) step`` (solved for both), and back-to-back
+    push_pulls of the 6 ranks to a server on each machine.
+
+    Returns:
+        The calibration's measured ``collective_step_cpu_s`` and ``collective_call_cpu_s`` (each put in
+        its physical range; a reading under 0, noise around a call that costs nothing beyond its steps,
+        is 0), and the same readings as the micro-benchmarks beside the runtime CPU constants that
+        :func:`fit_runs` fits: a fit far from them is a cost of whole jobs (hooks, buckets, waiting on a
+        quota'd core) that back-to-back calls do not show.
+    """
     per_call = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runtime-cpu.json")
@@ -439,14 +448,20 @@ def measure_runtime_cpu(cluster: Any, calls: int) -> dict[str, Reference]:
             )
             data = json.loads(Path(out).read_text())
             per_call.update({(m, ring): statistics.mean(v) for m, v in data.items()})
+
     def steps(ring: int) -> int:  # of a ring all-reduce
         return 2 * (ring - 1)
 
     three, six = per_call[("allreduce", 3)], per_call[("allreduce", 6)]
     step = (six - three) / (steps(6) - steps(3))
-    return {
+    call = three - steps(3) * step
+    measured = {
+        name: HOST_CPU[name].clip(value) if value > 0 else 0.0
+        for name, value in (("collective_step_cpu_s", step), ("collective_call_cpu_s", call))
+    }
+    return measured, {
         "collective_step_s": Reference("back-to-back 1 KiB all-reduces, 3 and 6 ranks: per step", step, "s"),
-        "collective_call_s": Reference("the same, per call beyond its steps", three - steps(3) * step, "s"),
+        "collective_call_s": Reference("the same, per call beyond its steps", call, "s"),
         "ps_call_s": Reference("back-to-back 1 KiB push_pulls, 6 ranks: per call", per_call[("ps", 6)], "s"),
     }
 
@@ -574,9 +589,12 @@ def calibrate_stages(
             names.append(f"allreduce: {note}")
             stages = {"links": dataclasses.replace(cal, calibration_set=tuple(names))}
             if jobs:
+                # Measured first: the job fit costs plans with the quota that this CPU takes.
+                measured, runtime_refs = measure_runtime_cpu(cluster, 100 if quick else 300)
+                link_refs.update(runtime_refs)
                 executor = Executor(topology, cluster)
                 runs = _job_samples(executor, ("mlp-mini", "encoder-mini"), 5 if quick else 10)
-                cal, job_err = fit_runs(cal, runs)
+                cal, job_err = fit_runs(dataclasses.replace(cal, **measured), runs)
                 fit_error["jobs"] = job_err
                 names += [f"job: {r.name}" for r in runs]
                 log(
@@ -586,7 +604,6 @@ def calibrate_stages(
                     f"mean error {job_err:.1%}{_on_bound(cal)}"
                 )
                 stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))
-                link_refs.update(measure_runtime_cpu(cluster, 100 if quick else 300))
     final = list(stages.values())[-1]
     log(constants_table(final, {**references, **link_refs}))
     for line in final.bound_warnings():

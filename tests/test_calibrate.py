@@ -81,7 +81,8 @@ class _RecordingCluster:
 def test_runtime_cpu_references_solve_rings_of_3_and_6_for_step_and_call() -> None:
     # 1 ms per call on 3 ranks (4 steps), 2.2 ms on 6 (10 steps): 0.2 ms per step, 0.2 ms per call.
     cluster = _RecordingCluster({3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.2e-3, "ps": 0.5e-3}})
-    refs = measure_runtime_cpu(cluster, calls=10)
+    measured, refs = measure_runtime_cpu(cluster, calls=10)
+    assert measured == pytest.approx({"collective_step_cpu_s": 0.2e-3, "collective_call_cpu_s": 0.2e-3})
     assert refs["collective_step_s"].value == pytest.approx(0.2e-3)
     assert refs["collective_call_s"].value == pytest.approx(0.2e-3)
     assert refs["ps_call_s"].value == pytest.approx(0.5e-3)
@@ -89,6 +90,14 @@ def test_runtime_cpu_references_solve_rings_of_3_and_6_for_step_and_call() -> No
     (three, no_servers), (six, servers) = cluster.jobs
     assert len(three) == 3 and {d.split(":")[0] for d in three} == {machines[0]} and no_servers == {}
     assert len(six) == 6 and servers == dict.fromkeys(machines, 1)
+
+
+def test_runtime_cpu_reading_under_zero_is_not_costed() -> None:
+    # 1 ms per call on 3 ranks, 2.6 ms on 6: 0.267 ms per step, leaving -0.067 ms per call (noise).
+    cluster = _RecordingCluster({3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.6e-3, "ps": 0.5e-3}})
+    measured, refs = measure_runtime_cpu(cluster, calls=10)
+    assert measured["collective_call_cpu_s"] == 0.0 and refs["collective_call_s"].value < 0
+    assert measured["collective_step_cpu_s"] == pytest.approx(1.6e-3 / 6)
 
 
 @pytest.mark.timeout(120)

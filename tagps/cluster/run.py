@@ -287,6 +287,7 @@ class Cluster:
                 m.workers,
                 round(intra[m.name].bandwidth_Bps * 8 / 1e9, 4),
                 peak_flops=round(self.device_flops(m), -6),
+                cpu_cores=m.cpu or 0.0,
             )
             if m.workers
             else DeviceGroup(m.name, "CPU", 0, SERVER_INTRA_GBPS)

@@ -27,11 +27,14 @@ that ends on an end of its range is a failure of the cost model, not a fit: the 
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 
 The CPU that communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
-comes from six host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
-0 when not costed (a calibration without them predicts as before). Three are measured by micro-benchmarks:
+comes from eight host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
+0 when not costed (a calibration without them predicts as before). Five are measured by micro-benchmarks:
 ``message_copies``, the memory passes per byte at ``memory_bandwidth`` that each side of a message costs
-(one side of a loopback TCP transfer), the summation kernel's ``sum_bandwidth``, and the PS engine's CPU
-per message, ``message_overhead_s`` (a loopback server's). Three are what the runtimes add, fitted on
+(one side of a loopback TCP transfer), the summation kernel's ``sum_bandwidth``, the PS engine's CPU
+per message, ``message_overhead_s`` (a loopback server's), and the CPU a rank's process consumes per ring
+step and per collective call, ``collective_step_cpu_s`` and ``collective_call_cpu_s`` (back-to-back small
+all-reduces on the calibration cluster), which the simulator charges to the rank's machine quota so that
+ranks sharing a small quota are not predicted to burst at once. Three are what the runtimes add, fitted on
 whole jobs (:func:`fit_runs`): ``ps_call_s``, the CPU of one push_pull call on each worker rank (the
 framework's dispatch into the PS path), ``collective_step_s``, the CPU of one ring step of a collective on
 each rank, and ``collective_call_s``, the CPU of launching one collective call (once per call, whatever
@@ -208,6 +211,22 @@ class Calibration:
         5e-3,
         "s",
     )
+    # Measured (calibrate.measure_runtime_cpu: back-to-back small all-reduces on rings of two sizes): the CPU
+    # a rank's process consumes per ring step and per call beyond its steps, which its machine's quota
+    # pays. The fitted two above are what a job's step time shows (wake-ups and waits on a quota'd core
+    # included), so they may differ; these bound a step by the quota instead (Simulator).
+    collective_step_cpu_s: float = _host_cpu(
+        "CPU time consumed per ring step of a collective on each rank, on one full core (measured)",
+        1e-6,
+        5e-3,
+        "s",
+    )
+    collective_call_cpu_s: float = _host_cpu(
+        "CPU time consumed per collective call beyond its steps on each rank, on one full core (measured)",
+        1e-6,
+        5e-3,
+        "s",
+    )
     # The whole jobs the last three were fitted on (RunSample.to_dict), so that a change to the cost model
     # is refitted on the same measurements (refit_runs) instead of rerunning them.
     job_runs: tuple[dict[str, Any], ...] = ()
@@ -310,6 +329,8 @@ class Calibration:
             ps_call_s=self.ps_call_s,
             collective_step_s=self.collective_step_s,
             collective_call_s=self.collective_call_s,
+            collective_step_cpu_s=self.collective_step_cpu_s,
+            collective_call_cpu_s=self.collective_call_cpu_s,
             shm_copy_s_per_byte=2 / self.memory_bandwidth,
         )
 

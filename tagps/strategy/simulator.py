@@ -114,6 +114,8 @@ _HOST_CPU_COSTS = (
     "collective_step_s",
     "collective_call_s",
     "shm_copy_s_per_byte",
+    "collective_step_cpu_s",
+    "collective_call_cpu_s",
 )
 
 
@@ -150,6 +152,11 @@ class HostCpu:
         shm_copy_s_per_byte: per byte copied into or out of the shared-memory region a worker shares with
             a server on its own machine (``TAGPS_PS_IPC``: one memcpy instead of a message's socket
             copies). 0: such a push is costed as a message like any other.
+        collective_step_cpu_s, collective_call_cpu_s: the CPU a rank's process consumes per ring step and
+            per collective call beyond its steps, measured (back-to-back small all-reduces), where the two
+            above are what a step's time shows. Charged to the rank's machine: a step takes at least
+            the machine's compute stream plus its ranks' collective CPU at its quota, so ranks that share
+            a small quota cannot all burst at full speed at once. 0: no such bound.
     """
 
     core_flops: float
@@ -160,6 +167,8 @@ class HostCpu:
     collective_step_s: float = 0.0
     collective_call_s: float = 0.0
     shm_copy_s_per_byte: float = 0.0
+    collective_step_cpu_s: float = 0.0
+    collective_call_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.core_flops < float("inf"):
@@ -482,6 +491,7 @@ class _TaskGraph:
         "memory",
         "mp_segments",
         "plan",
+        "rank_cpu",
         "sched",
         "sfb_bytes",
         "sim",
@@ -512,6 +522,9 @@ class _TaskGraph:
         self.memory: list[list[float]] = []  # per device group, per device: peak bytes
         self.step_end: dict[int, int] = {}  # per device group with work: the task that ends its step
         self.cpu_slowdown: list[float] = []  # per device group: how slowly its collectives' CPU runs
+        # Per device group: CPU seconds (full core) its ranks spend per step in collective steps and calls,
+        # which the ring's timeline waits for but no compute stream carries (_charge_collectives).
+        self.rank_cpu: list[float] = [0.0] * len(sim.dgroups)
 
     def lay_out(self) -> None:
         """Lay out every op group; op groups with the same placement and option share one layout object."""
@@ -805,6 +818,7 @@ class _TaskGraph:
                     for g in per:
                         sync_done[g].append(t)
                     self._ring_cpu(members, sum(ar_sizes), deps, i)
+                    self._charge_collectives(members, len(ar_sizes), 2 * (n - 1))
             wire = sim._ps_wire(members, ps_bytes) if ps_bytes else 0.0
             for s, (nbytes, count, partitions, calls) in ps_bytes.items():
                 local, res, remote = sim._ps(members, s)
@@ -830,6 +844,7 @@ class _TaskGraph:
                     self.sfb_bytes[i] += factor
                     gather = allgather_time(factor, n, ring.bandwidth, ring.latency, step_cpu=ring.step_cpu)
                     t = add(gather + ring.call_cpu, ring.channels, deps, ("sfb", i, -1))
+                    self._charge_collectives(members, 1, n - 1)
                     wgrad = op.fwd_flops * params[name] / max(op.param_bytes, 1) + dup_flops
                     for g, row in per.items():
                         extra = dtypes[g].op_time(wgrad * (fbatch - max(row)), factor)
@@ -851,6 +866,21 @@ class _TaskGraph:
         for g in members:
             self.sync_done[g].append(t)
         self._ring_cpu(members, nbytes, deps, bucket.groups[0])
+        self._charge_collectives(members, 1, 2 * (n - 1))
+
+    def _charge_collectives(self, members: dict[int, int], calls: int, steps: int) -> None:
+        """Charge the CPU that ``calls`` collectives of ``steps`` ring steps each consume on every member rank
+        to its machine (:attr:`HostCpu.collective_step_cpu_s`, ``collective_call_cpu_s``).
+
+        The ring's timeline waits for the step's CPU at the rank's burst speed (``_Ring.step_cpu``); this
+        bounds the step by the machine's quota instead (:meth:`Simulator._evaluate`): ranks sharing a
+        small quota cannot all burst at once.
+        """
+        sim, cpu = self.sim, self.rank_cpu
+        if sim.host_cpu is None:
+            return
+        for g, m in members.items():
+            cpu[g] += m * calls * (steps * sim._step_cpu[g] + sim._call_cpu[g])
 
     def _ring_cpu(self, members: dict[int, int], nbytes: float, deps: list[int], group: int) -> None:
         """Take the CPU of a ring all-reduce's bytes from each costed member machine's compute.
@@ -1007,10 +1037,15 @@ class Simulator:
         step = host_cpu.collective_step_s if host_cpu is not None else 0.0
         call = host_cpu.collective_call_s if host_cpu is not None else 0.0
         self._share = [1 / x if x else 0.0 for x in slowdown]
+        # Cores each costed machine's ranks share (its quota; else what its devices' peak says).
+        self._quota = [g.cpu_cores or g.count * s for g, s in zip(self.dgroups, self._share, strict=True)]
         self._step_full = [step if x else 0.0 for x in slowdown]
         self._call_full = [call if x else 0.0 for x in slowdown]
         self._step_s = [step * x for x in slowdown]
         self._call_s = [call * x for x in slowdown]
+        # CPU consumed per collective step and call on each costed machine's ranks, on a full core.
+        self._step_cpu = [host_cpu.collective_step_cpu_s if x else 0.0 for x in slowdown] if host_cpu else []
+        self._call_cpu = [host_cpu.collective_call_cpu_s if x else 0.0 for x in slowdown] if host_cpu else []
         self.param_index = {name: i for i, name in enumerate(graph.params)}
         owner_op: dict[str, int] = {}
         for i, op in enumerate(graph.ops):
@@ -1461,12 +1496,18 @@ class Simulator:
         first = max(finish[:n], default=0.0)
         total = (max(finish[-n:]) - first) / (steps - 1) if steps > 1 and n else first
         busy = [b / steps for b in busy]
+        # A quota'd machine cannot take more CPU per step than its quota gives: its compute stream's busy
+        # time (compute, the bytes of its syncs) plus its ranks' collective CPU at its cores.
+        for g, cpu_s in enumerate(graph.rank_cpu):
+            if cpu_s:
+                total = max(total, busy[g] + cpu_s / self._quota[g])
         mem = graph.memory
         peak: dict[str, int] = {}
         oom: list[str] = []
         busy_dev: dict[str, float] = {}
         idle_dev: dict[str, float] = {}
         cpu: dict[str, float] = {}
+        ranks = [max(1, sum(1 for b in row if b > 0)) for row in mem]
         for g, dg in enumerate(self.dgroups):
             for k in range(dg.count):
                 name = f"{dg.name}:{k}"
@@ -1477,7 +1518,7 @@ class Simulator:
                 busy_dev[name] = busy[g] if used else 0.0
                 idle_dev[name] = total - busy_dev[name]
                 if used and self._share[g]:
-                    cpu[name] = busy[g] * self._share[g]
+                    cpu[name] = busy[g] * self._share[g] + graph.rank_cpu[g] / ranks[g]
         group_finish = [max(finish[t] for t in done.values()) for done in graph.bwd_done]
         result = SimResult(
             total, not oom, tuple(oom), peak, busy_dev, idle_dev, group_finish, cpu_seconds=cpu

@@ -24,6 +24,7 @@ PCIe switch, which the runtime reduces among first); docs/plan.md has the glossa
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from tagps.strategy.devices import DeviceType, device_type
+
+_GROUP_KEYS = {"name", "device", "count", "intra_bandwidth_gbps", "memory_bytes", "peak_flops", "cpu_cores"}
 
 __all__ = [
     "PRESETS",
@@ -65,6 +68,9 @@ class DeviceGroup:
         intra_bandwidth_gbps: bandwidth between two devices of the device group in Gbit/s.
         memory_bytes: per-device memory; defaults to the device type's.
         peak_flops: per-device peak FP32 FLOP/s; defaults to the device type's.
+        cpu_cores: the CPU cores everything on this machine shares (an emulated machine's quota), which
+            its ranks' communication CPU is charged to; 0: unknown (a CPU machine's devices' peak over a
+            full core stands in).
     """
 
     name: str
@@ -73,6 +79,7 @@ class DeviceGroup:
     intra_bandwidth_gbps: float
     memory_bytes: int = 0
     peak_flops: float = 0.0
+    cpu_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or ":" in self.name:
@@ -92,6 +99,11 @@ class DeviceGroup:
         if isinstance(mem, bool) or not isinstance(mem, int) or mem < 1:
             raise ValueError(f"device group {self.name!r}: memory_bytes must be a positive integer")
         _positive(self.peak_flops, f"device group {self.name!r}: peak_flops")
+        cores = self.cpu_cores
+        if isinstance(cores, bool) or not isinstance(cores, int | float) or not 0 <= cores < math.inf:
+            raise ValueError(
+                f"device group {self.name!r}: cpu_cores must be >= 0 (0: unknown), got {cores!r}"
+            )
 
     @property
     def server_only(self) -> bool:
@@ -231,6 +243,7 @@ class Topology:
                     "intra_bandwidth_gbps": g.intra_bandwidth_gbps,
                     "memory_bytes": g.memory_bytes,
                     "peak_flops": g.peak_flops,
+                    **({"cpu_cores": g.cpu_cores} if g.cpu_cores else {}),
                 }
                 for g in self.groups
             ],
@@ -265,7 +278,7 @@ class Topology:
             if g.get("count") != 0:
                 required |= {"device", "intra_bandwidth_gbps"}
             missing = required - set(g)
-            extra = set(g) - {"name", "device", "count", "intra_bandwidth_gbps", "memory_bytes", "peak_flops"}
+            extra = set(g) - _GROUP_KEYS
             if missing or extra:
                 raise ValueError(
                     f"topology {name!r}: groups[{i}] missing {sorted(missing)} / unknown {sorted(extra)}"
@@ -278,6 +291,7 @@ class Topology:
                     g.get("intra_bandwidth_gbps", SERVER_INTRA_GBPS),
                     g.get("memory_bytes", 0),
                     g.get("peak_flops", 0.0),
+                    g.get("cpu_cores", 0.0),
                 )
             )
         links = []

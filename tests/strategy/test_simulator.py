@@ -514,6 +514,8 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
         "ps_call_s",
         "collective_step_s",
         "collective_call_s",
+        "collective_step_cpu_s",
+        "collective_call_cpu_s",
     }
     for name, rng in HOST_CPU.items():
         assert rng.meaning and 0 < rng.low < rng.high, name
@@ -623,6 +625,43 @@ def test_a_rank_that_computes_little_runs_its_collectives_cpu_in_quota_bursts():
     x = computing[(15, 1)]["b"] / computing[(15, 1)]["a"]
     assert x < 0.5
     assert per_call[(15, 1)] == pytest.approx(1e-3 / (0.25 + 0.75 * (1 - x)), rel=1e-6)
+
+
+def test_ranks_sharing_a_small_quota_are_bound_by_the_collective_cpu_they_consume():
+    # Two machines of two devices; b shares 0.3 cores. Unfused all-reduces: every tensor is a call of
+    # 2(n - 1) steps on every rank, whose measured CPU its machine's quota pays.
+    groups = (
+        DeviceGroup("a", "CPU", 2, 40.0, peak_flops=160e9 * 0.35, cpu_cores=0.7),
+        DeviceGroup("b", "CPU", 2, 40.0, peak_flops=160e9 * 0.15, cpu_cores=0.3),
+    )
+    base = sim_for("vgg-mini", Topology("quota", groups, 10.0))
+    step, call = 300e-6, 50e-6
+    plan = data_parallel_plan(
+        base, 16, {"a:0": 7, "a:1": 7, "b:0": 1, "b:1": 1}, comm=CommSettings(overlap=False, fusion_bytes=0)
+    )
+    timed = HostCpu(160e9, collective_step_s=step, collective_call_s=call)
+    untaxed = Simulator(base.graph, base.grouping, base.topology, host_cpu=timed)
+    taxed = Simulator(
+        base.graph,
+        base.grouping,
+        base.topology,
+        host_cpu=dataclasses.replace(timed, collective_step_cpu_s=step, collective_call_cpu_s=call),
+    )
+    free, bound = untaxed.evaluate(plan, trace=True), taxed.evaluate(plan, trace=True)
+    tensors = len(base.graph.params)
+    per_rank = tensors * (2 * 3 * step + call)  # a ring of 4 ranks: 6 steps per call
+    b_busy = sum(t.end - t.start for t in first_step(free) if t.resource == "b/compute")
+    # b's two ranks burst as if alone (b computes little) but cannot beat its quota.
+    assert free.iteration_time < b_busy + 2 * per_rank / 0.3
+    assert bound.iteration_time == pytest.approx(b_busy + 2 * per_rank / 0.3, rel=1e-6)
+    # Each rank's CPU per step counts its collectives.
+    assert bound.cpu_seconds["b:0"] == pytest.approx(free.cpu_seconds["b:0"] + per_rank)
+    # Without a known quota, the devices' share of a core stands in: 2 x 0.15 cores, the same here.
+    unknown = Topology("quota", tuple(dataclasses.replace(g, cpu_cores=0.0) for g in groups), 10.0)
+    blind = Simulator(base.graph, base.grouping, unknown, host_cpu=taxed.host_cpu)
+    assert blind.evaluate(dataclasses.replace(plan, topology=unknown)).iteration_time == pytest.approx(
+        bound.iteration_time
+    )
 
 
 def test_every_rank_pays_its_push_pull_calls_though_its_machine_pushes_once():

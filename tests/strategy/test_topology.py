@@ -211,3 +211,14 @@ def test_server_only_machines_load_and_round_trip(tmp_path):
 def test_invalid_server_only_machines_name_the_problem(groups, match):
     with pytest.raises(ValueError, match=match):
         Topology.from_dict({"name": "x", "inter_bandwidth_gbps": 1, "groups": groups})
+
+
+def test_a_machines_cpu_cores_round_trip_and_stay_out_of_files_when_unknown():
+    quota = DeviceGroup("m", "CPU", 2, 40.0, peak_flops=50e9, cpu_cores=0.7)
+    t = Topology("q", (quota, DeviceGroup("n", "CPU", 1, 40.0)), 1.0)
+    data = t.to_dict()
+    assert data["groups"][0]["cpu_cores"] == 0.7 and "cpu_cores" not in data["groups"][1]
+    assert Topology.from_dict(json.loads(json.dumps(data))) == t
+    for bad in (-0.5, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="cpu_cores must be >= 0"):
+            DeviceGroup("m", "CPU", 2, 40.0, cpu_cores=bad)
