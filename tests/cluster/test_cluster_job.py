@@ -176,7 +176,9 @@ def test_a_machines_compute_probes_count_over_one_window(
     )
     shared = cluster.device_flops(spec.machines[0], seconds=1.0)
     alone = cluster.device_flops(spec.machines[1], seconds=1.0)
-    assert 0.35 < shared / alone < 0.65
+    # Half, give or take what else shares core 0 at either moment (0.66 seen once in a full suite run);
+    # per-probe windows read 1.05.
+    assert 0.35 < shared / alone < 0.8
     # A probe that dies before it is ready is an error that says why, not a wait for its window.
     monkeypatch.setattr(cluster, "exec_argv", lambda machine, argv: ["sh", "-c", "echo no torch >&2; exit 3"])
     with pytest.raises(RuntimeError, match=r"compute probe on 'pair' failed.*no torch"):
