@@ -227,8 +227,9 @@ class Calibration:
         5e-3,
         "s",
     )
-    # The whole jobs the last three were fitted on (RunSample.to_dict), so that a change to the cost model
-    # is refitted on the same measurements (refit_runs) instead of rerunning them.
+    # The whole jobs ps_call_s, collective_step_s and collective_call_s were fitted on (RunSample.to_dict),
+    # so that a change to the cost model is refitted on the same measurements (refit_runs) instead of
+    # rerunning them.
     job_runs: tuple[dict[str, Any], ...] = ()
     at_bound: tuple[str, ...] = field(init=False)
 
