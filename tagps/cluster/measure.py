@@ -22,8 +22,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LinkMeasurement", "measure_core", "measure_pair", "probe", "serve"]
+__all__ = ["MATMUL_N", "LinkMeasurement", "measure_core", "measure_pair", "probe", "serve"]
 
+# Square float32 matmuls of this size measure a core: three 1 MiB operands, beyond a core's L2, as a
+# training step's working set is, so that cores sharing a cache and memory read as slow as they run.
+MATMUL_N = 512
 _MSG = 64
 _CHUNK = 1 << 20
 _PINGS = 50
@@ -163,7 +166,7 @@ def measure_core(seconds: float = 0.5) -> tuple[float, float]:
     import torch
 
     torch.set_num_threads(1)
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
     for _ in range(3):
         a @ b
     rates = []
@@ -172,7 +175,7 @@ def measure_core(seconds: float = 0.5) -> tuple[float, float]:
         while time.thread_time() - start < seconds / 10:
             a @ b
             n += 1
-        rates.append(2 * 256**3 * n / (time.thread_time() - start))
+        rates.append(2 * MATMUL_N**3 * n / (time.thread_time() - start))
     src = np.ones(1 << 23, dtype=np.float32)  # 32 MiB, touched once before timing
     dst = np.zeros_like(src)
     np.copyto(dst, src)

@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 from tagps.atomic import write_text_atomic
 from tagps.cluster import cgroup as cg
 from tagps.cluster import netns
-from tagps.cluster.measure import LinkMeasurement, measure_pair
+from tagps.cluster.measure import MATMUL_N, LinkMeasurement, measure_pair
 from tagps.cluster.spec import ClusterSpec, MachineSpec, load_spec
 from tagps.launcher import ProcessSpec, run_processes
 from tagps.strategy.topology import SERVER_INTRA_GBPS, DeviceGroup, Link, Topology
@@ -45,21 +45,21 @@ __all__ = ["STATE_DIR", "Cluster", "attach", "down", "down_all", "up"]
 
 STATE_DIR = Path("/run/tagps")
 _PROBE_PORT = 7000
-# A device's compute rate: single-threaded float32 matmuls of this size, counted over a window of wall-clock
-# time that the parent gives every probe of a machine once all of them are ready (stdin: start and end), so
-# that all of them compete for the quota the whole window (one that started or ended alone would read
-# the machine's whole quota).
+# A device's compute rate: single-threaded float32 matmuls of measure_core's size, counted over a window of
+# wall-clock time that the parent gives every probe of every machine measured together once all of them are
+# ready (stdin: start and end), so that all of them compete for their quotas and the host's cores and caches
+# the whole window, as training steps do (one that started or ended alone would read a whole quota).
 _FLOPS_PROBE = (
     "import sys, time, torch\n"
     "torch.set_num_threads(1)\n"
-    "a = torch.randn(256, 256); b = torch.randn(256, 256)\n"
+    f"a = torch.randn({MATMUL_N}, {MATMUL_N}); b = torch.randn({MATMUL_N}, {MATMUL_N})\n"
     "for _ in range(3): a @ b\n"
     "print('ready', flush=True)\n"
     "start, end = map(float, sys.stdin.readline().split())\n"
     "while time.time() < start: a @ b\n"
     "n = 0\n"
     "while time.time() < end: a @ b; n += 1\n"
-    "print(2 * 256 ** 3 * n / (end - start))\n"
+    f"print(2 * {MATMUL_N} ** 3 * n / (end - start))\n"
 )
 _PROBE_READY_S = 120.0  # importing torch on a small share of a core, with every probe of the machine at it
 
@@ -209,54 +209,60 @@ class Cluster:
             seconds,
         )
 
-    def device_flops(self, machine: MachineSpec, seconds: float = 3.0) -> float:
-        """Measure a device's float32 matmul rate on ``machine``: all its devices busy at once, the mean.
+    def device_flops(self, machines: Sequence[MachineSpec], seconds: float = 3.0) -> dict[str, float]:
+        """Measure each machine's device float32 matmul rate, every device of every one of ``machines`` busy
+        at once: the mean of a machine's devices, by machine name.
 
         Every probe counts its matmuls over the same window of ``seconds``, which starts once all of them
         have imported torch: a probe that ran part of its time alone (the others still importing, or
-        done) would read the share of the whole machine, not of one device. ``seconds`` spans many
-        periods of the machine's CPU quota, which quantize a short probe.
+        done) would read the share of the whole machine, not of one device, and machines measured one at
+        a time would not compete for the host's cores and caches as training steps do. ``seconds`` spans
+        many periods of the machines' CPU quotas, which quantize a short probe.
 
         Raises:
             RuntimeError: a probe failed, or was not ready within two minutes.
         """
-        argv = self.exec_argv(machine.name, [sys.executable, "-c", _FLOPS_PROBE])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with contextlib.ExitStack() as stack:
             procs = [
-                stack.enter_context(
-                    subprocess.Popen(
-                        argv,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                        env=env,
-                    )
+                (
+                    machine.name,
+                    stack.enter_context(
+                        subprocess.Popen(
+                            self.exec_argv(machine.name, [sys.executable, "-c", _FLOPS_PROBE]),
+                            stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            env=env,
+                        )
+                    ),
                 )
+                for machine in machines
                 for _ in range(machine.workers)
             ]
-            stack.callback(lambda: [p.kill() for p in procs if p.poll() is None])  # before their exits wait
+            # Kill leftovers before their exits wait on them.
+            stack.callback(lambda: [p.kill() for _, p in procs if p.poll() is None])
             deadline = time.monotonic() + _PROBE_READY_S
-            for p in procs:
+            for name, p in procs:
                 ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready or p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                     p.kill()
                     raise RuntimeError(
-                        f"compute probe on {machine.name!r} failed or not ready in {_PROBE_READY_S:.0f} s: "
+                        f"compute probe on {name!r} failed or not ready in {_PROBE_READY_S:.0f} s: "
                         f"{p.communicate()[1].strip()[-2000:]}"
                     )
             start = time.time() + 0.05  # every probe reads its line well before it
-            for p in procs:
+            for _, p in procs:
                 p.stdin.write(f"{start!r} {start + seconds!r}\n")  # type: ignore[union-attr]
                 p.stdin.flush()  # type: ignore[union-attr]  # (communicate closes it)
-            rates = []
-            for p in procs:
+            rates: dict[str, list[float]] = {}
+            for name, p in procs:
                 out, err = p.communicate(timeout=seconds + 60)
                 if p.returncode != 0:
-                    raise RuntimeError(f"compute probe on {machine.name!r} failed: {err.strip()[-2000:]}")
-                rates.append(float(out))
-        return statistics.mean(rates)
+                    raise RuntimeError(f"compute probe on {name!r} failed: {err.strip()[-2000:]}")
+                rates.setdefault(name, []).append(float(out))
+        return {name: statistics.mean(r) for name, r in rates.items()}
 
     def topology(self, seconds: float = 0.5) -> Topology:
         """Measure the cluster and return its topology (one CPU device group per machine, in spec order).
@@ -275,6 +281,7 @@ class Cluster:
         machines = self.spec.machines
         workers = self.spec.worker_machines
         intra: dict[str, LinkMeasurement] = {m.name: self._measure(m.name, m.name, seconds) for m in workers}
+        flops = self.device_flops(workers)
         inter: dict[tuple[str, str], LinkMeasurement] = {}
         for i, a in enumerate(machines):
             for b in machines[i + 1 :]:
@@ -286,7 +293,7 @@ class Cluster:
                 "CPU",
                 m.workers,
                 round(intra[m.name].bandwidth_Bps * 8 / 1e9, 4),
-                peak_flops=round(self.device_flops(m), -6),
+                peak_flops=round(flops[m.name], -6),
                 cpu_cores=m.cpu or 0.0,
             )
             if m.workers
