@@ -1036,6 +1036,8 @@ class Simulator:
         ]
         step = host_cpu.collective_step_s if host_cpu is not None else 0.0
         call = host_cpu.collective_call_s if host_cpu is not None else 0.0
+        step_cpu = host_cpu.collective_step_cpu_s if host_cpu is not None else 0.0
+        call_cpu = host_cpu.collective_call_cpu_s if host_cpu is not None else 0.0
         self._share = [1 / x if x else 0.0 for x in slowdown]
         # Cores each costed machine's ranks share (its quota; else what its devices' peak says).
         self._quota = [g.cpu_cores or g.count * s for g, s in zip(self.dgroups, self._share, strict=True)]
@@ -1044,8 +1046,8 @@ class Simulator:
         self._step_s = [step * x for x in slowdown]
         self._call_s = [call * x for x in slowdown]
         # CPU consumed per collective step and call on each costed machine's ranks, on a full core.
-        self._step_cpu = [host_cpu.collective_step_cpu_s if x else 0.0 for x in slowdown] if host_cpu else []
-        self._call_cpu = [host_cpu.collective_call_cpu_s if x else 0.0 for x in slowdown] if host_cpu else []
+        self._step_cpu = [step_cpu if x else 0.0 for x in slowdown]
+        self._call_cpu = [call_cpu if x else 0.0 for x in slowdown]
         self.param_index = {name: i for i, name in enumerate(graph.params)}
         owner_op: dict[str, int] = {}
         for i, op in enumerate(graph.ops):

@@ -27,13 +27,11 @@ import json
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from tagps.strategy.devices import DeviceType, device_type
-
-_GROUP_KEYS = {"name", "device", "count", "intra_bandwidth_gbps", "memory_bytes", "peak_flops", "cpu_cores"}
 
 __all__ = [
     "PRESETS",
@@ -278,7 +276,7 @@ class Topology:
             if g.get("count") != 0:
                 required |= {"device", "intra_bandwidth_gbps"}
             missing = required - set(g)
-            extra = set(g) - _GROUP_KEYS
+            extra = set(g) - {f.name for f in fields(DeviceGroup)}
             if missing or extra:
                 raise ValueError(
                     f"topology {name!r}: groups[{i}] missing {sorted(missing)} / unknown {sorted(extra)}"
