@@ -73,7 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"refitted on {len(cal.job_runs)} recorded jobs (mean error {cal.fit_error['jobs']:.1%}): "
               f"collective step {cal.collective_step_s * 1e6:.0f} us, "
               f"call {cal.collective_call_s * 1e6:.0f} us, "
-              f"PS call {cal.ps_call_s * 1e6:.0f} us, "
               f"PS message {cal.message_overhead_s * 1e6:.0f} us")  # fmt: skip
     then: list[float] = []
     now: list[float] = []

@@ -12,11 +12,13 @@
    engine's CPU per message (a loopback summation server's, while one worker push_pulls small tensors).
 4. **Fit on whole jobs**: train ``mlp-mini`` and ``encoder-mini`` on that cluster with DDP, tagps
    all-reduce and tagps PS, and fit what the runtimes add to the links' costs: the CPU of each ring step
-   of a collective on every rank and of each push_pull call on every rank, which a quota'd machine runs
-   slowly. Before it, back-to-back small all-reduces (rings of 3 and 6) and push_pulls on that cluster
-   measure the same costs outside a training step: the micro-benchmarks the fit is compared with, and
-   the CPU a collective's steps and calls consume (``collective_step_cpu_s``, ``collective_call_cpu_s``),
-   which the simulator charges to each rank's machine quota.
+   of a collective and of launching each collective call on every rank, which a quota'd machine runs
+   slowly. Before it, back-to-back small all-reduces (rings of 3 and 6) on that cluster measure the same
+   costs outside a training step: the micro-benchmarks the fit is compared with, and the CPU a
+   collective's steps and calls consume (``collective_step_cpu_s``, ``collective_call_cpu_s``), which
+   the simulator charges to each rank's machine quota. Back-to-back small push_pulls from machines of one
+   rank and of three measure a push_pull call's CPU on a rank (``ps_call_s``) and what each further
+   local rank adds (``ps_local_call_s``: the shared-memory reduction's coordination).
 
 At the end it prints each fitted constant beside the micro-benchmark it is a fraction or a counterpart of
 (matmul rate, copy bandwidth, one op's dispatch, half a TCP round trip, TCP goodput) with its physical
@@ -423,46 +425,59 @@ def _cluster_allreduces(
     return samples, refs
 
 
-def measure_runtime_cpu(cluster: Any, calls: int) -> tuple[dict[str, float], dict[str, Reference]]:
-    """Measure the CPU a collective consumes on each rank: back-to-back small all-reduces on rings of 3
-    (``ca``) and 6 ranks, whose CPU per call is ``call + 2 (n - 1) step`` (solved for both), and back-to-back
-    push_pulls of the 6 ranks to a server on each machine.
+def measure_runtime_cpu(
+    cluster: Any, calls: int, message_s: float = 0.0
+) -> tuple[dict[str, float], dict[str, Reference]]:
+    """Measure the CPU a collective and a push_pull consume on each rank: back-to-back small all-reduces on
+    rings of 3 (``ca``) and 6 ranks, whose CPU per call is ``call + 2 (n - 1) step`` (solved for both), and
+    back-to-back push_pulls to a server on each machine, from machines of one rank (``ca:0`` and ``cb:0``)
+    and of three: a machine of ``m`` ranks consumes ``m c_call + (m - 1) c_local`` per call beyond its
+    messages (``message_s`` each, a push and a pull: measured apart, :func:`measure_ps_message_s`).
 
     Returns:
-        The calibration's measured ``collective_step_cpu_s`` and ``collective_call_cpu_s`` (each put in
-        its physical range; a reading under 0, noise around a call that costs nothing beyond its steps,
-        is 0), and the same readings as the micro-benchmarks beside the runtime CPU constants that
-        :func:`fit_runs` fits: a fit far from them is a cost of whole jobs (hooks, buckets, waiting on a
-        quota'd core) that back-to-back calls do not show.
+        The calibration's measured ``collective_step_cpu_s``, ``collective_call_cpu_s``, ``ps_call_s`` and
+        ``ps_local_call_s`` (each put in its physical range; a reading under 0, noise around a cost of
+        nothing, is 0), and the all-reduce readings as the micro-benchmarks beside the runtime CPU constants
+        that :func:`fit_runs` fits: a fit far from them is a cost of whole jobs (hooks, buckets, waiting on
+        a quota'd core) that back-to-back calls do not show.
     """
-    per_call = {}
+    machines = CALIBRATION_CLUSTER["machines"]
+    devices = [f"{m['name']}:{i}" for m in machines for i in range(m["workers"])]
+    servers = {m["name"]: 1 for m in machines}
+    lone = [f"{m['name']}:0" for m in machines]  # one rank per machine
+    per_rank = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runtime-cpu.json")
         argv = _probe_argv(out, calls, "--runtime-cpu-probe")
-        machines = CALIBRATION_CLUSTER["machines"]
-        devices = [f"{m['name']}:{i}" for m in machines for i in range(m["workers"])]
-        for ring, servers in ((3, {}), (6, {m["name"]: 1 for m in machines})):
+        for label, ranks, s in (("3", devices[:3], {}), ("6", devices, servers), ("lone", lone, servers)):
             _run_logged(
-                lambda log, d=devices[:ring], s=servers: cluster.run(argv, devices=d, servers=s, out=log),
-                f"runtime CPU probe on {ring} ranks",
+                lambda log, d=ranks, s=s: cluster.run(argv, devices=d, servers=s, out=log),
+                f"runtime CPU probe on {', '.join(ranks)}",
             )
-            data = json.loads(Path(out).read_text())
-            per_call.update({(m, ring): statistics.mean(v) for m, v in data.items()})
+            per_rank.update({(m, label): v for m, v in json.loads(Path(out).read_text()).items()})
 
     def steps(ring: int) -> int:  # of a ring all-reduce
         return 2 * (ring - 1)
 
-    three, six = per_call[("allreduce", 3)], per_call[("allreduce", 6)]
+    three, six = (statistics.mean(per_rank[("allreduce", n)]) for n in ("3", "6"))
     step = (six - three) / (steps(6) - steps(3))
     call = three - steps(3) * step
-    measured = {
-        name: HOST_CPU[name].clip(value) if value > 0 else 0.0
-        for name, value in (("collective_step_cpu_s", step), ("collective_call_cpu_s", call))
+    # A machine pushes and pulls each call's one partition once: 2 messages, whatever its ranks.
+    messages = 2 * message_s
+    ps_call = statistics.mean(per_rank[("ps", "lone")]) - messages
+    size, ps6 = machines[0]["workers"], per_rank[("ps", "6")]
+    machine = statistics.mean(sum(ps6[i : i + size]) for i in range(0, len(ps6), size))
+    ps_local = (machine - messages - size * ps_call) / (size - 1)
+    readings = {
+        "collective_step_cpu_s": step,
+        "collective_call_cpu_s": call,
+        "ps_call_s": ps_call,
+        "ps_local_call_s": ps_local,
     }
+    measured = {name: HOST_CPU[name].clip(value) if value > 0 else 0.0 for name, value in readings.items()}
     return measured, {
         "collective_step_s": Reference("back-to-back 1 KiB all-reduces, 3 and 6 ranks: per step", step, "s"),
         "collective_call_s": Reference("the same, per call beyond its steps", call, "s"),
-        "ps_call_s": Reference("back-to-back 1 KiB push_pulls, 6 ranks: per call", per_call[("ps", 6)], "s"),
     }
 
 
@@ -590,8 +605,16 @@ def calibrate_stages(
             stages = {"links": dataclasses.replace(cal, calibration_set=tuple(names))}
             if jobs:
                 # Measured first: the job fit costs plans with the quota that this CPU takes.
-                measured, runtime_refs = measure_runtime_cpu(cluster, 100 if quick else 300)
+                measured, runtime_refs = measure_runtime_cpu(
+                    cluster, 100 if quick else 300, fitted["message_overhead_s"]
+                )
                 link_refs.update(runtime_refs)
+                log(
+                    f"runtime CPU: per collective step {measured['collective_step_cpu_s'] * 1e6:.0f} us, per "
+                    f"collective call {measured['collective_call_cpu_s'] * 1e6:.0f} us, per push_pull call "
+                    f"{measured['ps_call_s'] * 1e6:.0f} us and {measured['ps_local_call_s'] * 1e6:.0f} us "
+                    "for each further local rank"
+                )
                 executor = Executor(topology, cluster)
                 runs = _job_samples(executor, ("mlp-mini", "encoder-mini"), 5 if quick else 10)
                 cal, job_err = fit_runs(dataclasses.replace(cal, **measured), runs)
@@ -600,7 +623,6 @@ def calibrate_stages(
                 log(
                     f"job fit on {len(runs)} runs: CPU per collective step {cal.collective_step_s * 1e6:.0f} "
                     f"us, per collective call {cal.collective_call_s * 1e6:.0f} us, "
-                    f"per push_pull call {cal.ps_call_s * 1e6:.0f} us, "
                     f"mean error {job_err:.1%}{_on_bound(cal)}"
                 )
                 stages["jobs"] = dataclasses.replace(cal, fit_error=fit_error, calibration_set=tuple(names))

@@ -66,38 +66,55 @@ def test_measure_ps_message_s_is_a_servers_cpu_per_message() -> None:
 
 
 class _RecordingCluster:
-    """Stands in for the calibration cluster: each run writes the CPU per call its ring size is given."""
+    """Stands in for the calibration cluster: each run writes the CPU per call its ring size is given (one
+    value for every rank, or a list of each rank's)."""
 
-    def __init__(self, per_call: dict[int, dict[str, float]]) -> None:
+    def __init__(self, per_call: dict[int, dict[str, float | list[float]]]) -> None:
         self.per_call, self.jobs = per_call, []
 
     def run(self, argv: list[str], devices: list[str], servers: dict[str, int], out: Any) -> int:
         self.jobs.append((devices, servers))
-        data = {m: [v] * len(devices) for m, v in self.per_call[len(devices)].items()}
+        given = self.per_call[len(devices)]
+        data = {m: v if isinstance(v, list) else [v] * len(devices) for m, v in given.items()}
         Path(argv[argv.index("--runtime-cpu-probe") + 1]).write_text(json.dumps(data))
         return 0
 
 
-def test_runtime_cpu_references_solve_rings_of_3_and_6_for_step_and_call() -> None:
+# Push_pulls: 0.23 ms per call on a machine of one rank (0.2 ms and 2 messages of 15 us); on machines of
+# three, the root 1.3 ms and the others 0.7 ms: 2.7 ms a machine, 1.035 ms more per further rank.
+_PS = {2: {"allreduce": 0.6e-3, "ps": 0.23e-3}}
+_PS_6 = [1.3e-3, 0.7e-3, 0.7e-3] * 2
+
+
+def test_runtime_cpu_solves_rings_of_3_and_6_for_step_and_call_and_machine_sizes_for_push_pulls() -> None:
     # 1 ms per call on 3 ranks (4 steps), 2.2 ms on 6 (10 steps): 0.2 ms per step, 0.2 ms per call.
-    cluster = _RecordingCluster({3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.2e-3, "ps": 0.5e-3}})
-    measured, refs = measure_runtime_cpu(cluster, calls=10)
-    assert measured == pytest.approx({"collective_step_cpu_s": 0.2e-3, "collective_call_cpu_s": 0.2e-3})
+    cluster = _RecordingCluster({3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.2e-3, "ps": _PS_6}, **_PS})
+    measured, refs = measure_runtime_cpu(cluster, calls=10, message_s=15e-6)
+    assert measured == pytest.approx(
+        {
+            "collective_step_cpu_s": 0.2e-3,
+            "collective_call_cpu_s": 0.2e-3,
+            "ps_call_s": 0.2e-3,
+            "ps_local_call_s": 1.035e-3,
+        }
+    )
     assert refs["collective_step_s"].value == pytest.approx(0.2e-3)
     assert refs["collective_call_s"].value == pytest.approx(0.2e-3)
-    assert refs["ps_call_s"].value == pytest.approx(0.5e-3)
     machines = [m["name"] for m in CALIBRATION_CLUSTER["machines"]]
-    (three, no_servers), (six, servers) = cluster.jobs
+    (three, no_servers), (six, servers), (lone, lone_servers) = cluster.jobs
     assert len(three) == 3 and {d.split(":")[0] for d in three} == {machines[0]} and no_servers == {}
     assert len(six) == 6 and servers == dict.fromkeys(machines, 1)
+    assert lone == [f"{m}:0" for m in machines] and lone_servers == servers
 
 
 def test_runtime_cpu_reading_under_zero_is_not_costed() -> None:
-    # 1 ms per call on 3 ranks, 2.6 ms on 6: 0.267 ms per step, leaving -0.067 ms per call (noise).
-    cluster = _RecordingCluster({3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.6e-3, "ps": 0.5e-3}})
-    measured, refs = measure_runtime_cpu(cluster, calls=10)
+    # 1 ms per call on 3 ranks, 2.6 ms on 6: 0.267 ms per step, leaving -0.067 ms per call (noise); and
+    # machines of three ranks that cost no more than three lone ones.
+    per_call = {3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.6e-3, "ps": 0.2e-3}, **_PS}
+    measured, refs = measure_runtime_cpu(_RecordingCluster(per_call), calls=10, message_s=15e-6)
     assert measured["collective_call_cpu_s"] == 0.0 and refs["collective_call_s"].value < 0
     assert measured["collective_step_cpu_s"] == pytest.approx(1.6e-3 / 6)
+    assert measured["ps_local_call_s"] == 0.0 and measured["ps_call_s"] == pytest.approx(0.2e-3)
 
 
 @pytest.mark.timeout(120)

@@ -27,19 +27,22 @@ that ends on an end of its range is a failure of the cost model, not a fit: the 
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 
 The CPU that communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
-comes from eight host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
-0 when not costed (a calibration without them predicts as before). Five are measured by micro-benchmarks:
+comes from nine host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
+0 when not costed (a calibration without them predicts as before). Seven are measured by micro-benchmarks:
 ``message_copies``, the memory passes per byte at ``memory_bandwidth`` that each side of a message costs
 (one side of a loopback TCP transfer), the summation kernel's ``sum_bandwidth``, the PS engine's CPU
-per message, ``message_overhead_s`` (a loopback server's), and the CPU a rank's process consumes per ring
-step and per collective call, ``collective_step_cpu_s`` and ``collective_call_cpu_s`` (back-to-back small
-all-reduces on the calibration cluster), which the simulator charges to the rank's machine quota so that
-ranks sharing a small quota are not predicted to burst at once. Three are what the runtimes add, fitted on
-whole jobs (:func:`fit_runs`): ``ps_call_s``, the CPU of one push_pull call on each worker rank (the
-framework's dispatch into the PS path), ``collective_step_s``, the CPU of one ring step of a collective on
-each rank, and ``collective_call_s``, the CPU of launching one collective call (once per call, whatever
-the ring's size). Calibrations written before ``ps_call_s`` existed fitted ``message_overhead_s`` instead,
-and predict as they did.
+per message, ``message_overhead_s`` (a loopback server's), the CPU of one push_pull call on each worker
+rank, ``ps_call_s``, and what each local rank beyond a machine's first adds to it, ``ps_local_call_s``
+(the shared-memory reduction's coordination; back-to-back small push_pulls from machines of one rank and
+of three), and the CPU a rank's process consumes per ring step and per collective call,
+``collective_step_cpu_s`` and ``collective_call_cpu_s`` (back-to-back small all-reduces on the
+calibration cluster), which the simulator charges to the rank's machine quota so that ranks sharing a
+small quota are not predicted to burst at once. Two are what the runtimes add, fitted on whole jobs
+(:func:`fit_runs`): ``collective_step_s``, the CPU of one ring step of a collective on each rank, and
+``collective_call_s``, the CPU of launching one collective call (once per call, whatever the ring's
+size). Calibrations written before ``ps_local_call_s`` existed fitted ``ps_call_s`` on the jobs as well
+(it then held the shared-memory reduction's cost too) and predict as they did; those written before
+``ps_call_s`` existed fitted ``message_overhead_s`` instead.
 A push to a server on the worker's own machine goes through shared memory: one copy, each byte read and
 written at ``memory_bandwidth`` (which counts both).
 """
@@ -196,9 +199,18 @@ class Calibration:
         1e-3,
         "s",
     )
-    # A call is at least a framework dispatch (microseconds); 5 ms of CPU per tensor is not dispatching.
+    # Measured (calibrate.measure_runtime_cpu: back-to-back small push_pulls on machines of one rank and of
+    # three). A call is at least a framework dispatch (microseconds); 5 ms of CPU per tensor is not that.
     ps_call_s: float = _host_cpu(
         "CPU time of one push_pull call (one tensor) on each worker rank, on one full core", 1e-6, 5e-3, "s"
+    )
+    # Each further local rank adds the shared-memory reduction's messages (a few per rank and call).
+    ps_local_call_s: float = _host_cpu(
+        "CPU time per push_pull call for each local rank beyond a machine's first (the shared-memory "
+        "reduction's coordination), on one full core",
+        1e-6,
+        5e-3,
+        "s",
     )
     # A ring step is at least a send and a receive system call; 5 ms of CPU per step is not messaging.
     collective_step_s: float = _host_cpu(
@@ -227,7 +239,7 @@ class Calibration:
         5e-3,
         "s",
     )
-    # The whole jobs ps_call_s, collective_step_s and collective_call_s were fitted on (RunSample.to_dict),
+    # The whole jobs collective_step_s and collective_call_s were fitted on (RunSample.to_dict),
     # so that a change to the cost model is refitted on the same measurements (refit_runs) instead of
     # rerunning them.
     job_runs: tuple[dict[str, Any], ...] = ()
@@ -328,6 +340,7 @@ class Calibration:
             sum_s_per_byte=1 / self.sum_bandwidth if self.sum_bandwidth else 0.0,
             message_s=self.message_overhead_s,
             ps_call_s=self.ps_call_s,
+            ps_local_call_s=self.ps_local_call_s,
             collective_step_s=self.collective_step_s,
             collective_call_s=self.collective_call_s,
             collective_step_cpu_s=self.collective_step_cpu_s,
@@ -632,7 +645,7 @@ class RunSample:
         return cls(name, graph, grouping, plan.topology, plan, measured)
 
 
-RUNTIME_CPU = ("collective_step_s", "collective_call_s", "ps_call_s")  # what fit_runs fits
+RUNTIME_CPU = ("collective_step_s", "collective_call_s")  # what fit_runs fits
 
 
 def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration, float]:
@@ -640,9 +653,9 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
 
     The links keep the constants their all-reduce probes measured (:func:`fit_comm`); what a training
     job adds on top is CPU: each ring step's work on every rank (``collective_step_s``, which a quota'd
-    rank runs slowly), launching each collective call (``collective_call_s``) and each rank's dispatch of
-    a PS push_pull per tensor (``ps_call_s``; the engine's own cost per message, ``message_overhead_s``, is
-    measured). The runs must hold rings of more than one size, or steps and calls cannot be told apart.
+    rank runs slowly) and launching each collective call (``collective_call_s``). A PS push_pull's CPU is
+    measured (``ps_call_s``, ``ps_local_call_s``, ``message_overhead_s``), so the PS jobs only check it.
+    The runs must hold rings of more than one size, or steps and calls cannot be told apart.
     Minimises the squared
     log ratio of the calibrated simulator's iteration time to the measured one over ``runs``, inside the
     constants' physical ranges; a constant that stops on a bound shows in :attr:`Calibration.at_bound`.

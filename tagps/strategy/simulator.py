@@ -111,6 +111,7 @@ _HOST_CPU_COSTS = (
     "sum_s_per_byte",
     "message_s",
     "ps_call_s",
+    "ps_local_call_s",
     "collective_step_s",
     "collective_call_s",
     "shm_copy_s_per_byte",
@@ -138,6 +139,9 @@ class HostCpu:
             PS path (the gradient hook, enqueueing the tensor, waiting for it and copying the result back).
             Every rank of a machine pays it, though the machine pushes each partition once after its local
             reduction, so a machine's PS CPU grows with its ranks.
+        ps_local_call_s: per push_pull call for each local rank beyond a machine's first: the shared-memory
+            reduction's coordination (its messages between the ranks' processes, on them and on the
+            machine's root), which a machine of one rank skips.
         collective_step_s: per step of a collective (one message each rank sends and receives in a ring
             step): the runtime's and the transport's CPU work. A rank runs it at the speed its quota
             leaves it (its device's share of a core when it computes all step long, more in bursts when
@@ -164,6 +168,7 @@ class HostCpu:
     sum_s_per_byte: float = 0.0
     message_s: float = 0.0
     ps_call_s: float = 0.0
+    ps_local_call_s: float = 0.0
     collective_step_s: float = 0.0
     collective_call_s: float = 0.0
     shm_copy_s_per_byte: float = 0.0
@@ -1291,7 +1296,8 @@ class Simulator:
 
         .. math::
             t_s = \\frac{k S (2 c_{copy} + c_{sum}) + 2 k P c_{msg}}{q_s}, \\quad
-            t_w = \\frac{S (2 c_{copy} + (m_w - 1) c_{sum}) + 2 P c_{msg} + m_w C c_{call}}{q_w}
+            t_w = \\frac{S (2 c_{copy} + (m_w - 1) c_{sum}) + 2 P c_{msg}
+                + C (m_w c_{call} + (m_w - 1) c_{local})}{q_w}
 
         A member on the server's own machine shares memory with it when :attr:`HostCpu.shm_copy_s_per_byte`
         is set (the runtime's default): its push is one copy into the region and its pull one copy out
@@ -1305,6 +1311,7 @@ class Simulator:
         host, cores = self.host_cpu, self._cpu_cores
         assert host is not None  # internal: only called with host_cpu set
         copy, summ, msg, call = host.copy_s_per_byte, host.sum_s_per_byte, host.message_s, host.ps_call_s
+        local = host.ps_local_call_s
         shm = host.shm_copy_s_per_byte
         shared = {w: bool(shm) and w == server for w in members}
         k = len(members)
@@ -1317,7 +1324,8 @@ class Simulator:
         for w, m in members.items():
             if cores[w]:
                 side = shm if shared[w] else copy
-                own = nbytes * (2 * side + (m - 1) * summ) + 2 * partitions * msg + m * calls * call
+                own = nbytes * (2 * side + (m - 1) * summ) + 2 * partitions * msg
+                own += calls * (m * call + (m - 1) * local)
                 busy.append((w, own / cores[w]))
         return server_s, busy
 

@@ -29,12 +29,10 @@ from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
 
 CAL = Calibration(100e9, 20e9, 0.6, 0.3, 20e-6, 300e-6, 50e-6, 0.8, 0.5)
-# CAL after the host-CPU micro-benchmarks: the PS engine's CPU per message is measured, not fitted.
-MEASURED = dataclasses.replace(CAL, message_overhead_s=15e-6)
+# CAL after the host-CPU micro-benchmarks: the PS engine's and a push_pull's CPU are measured, not fitted.
+MEASURED = dataclasses.replace(CAL, message_overhead_s=15e-6, ps_call_s=200e-6, ps_local_call_s=800e-6)
 # The runtimes' CPU constants that the jobs below were "measured" with.
-JOB_TRUTH = dataclasses.replace(
-    MEASURED, collective_step_s=200e-6, collective_call_s=300e-6, ps_call_s=500e-6
-)
+JOB_TRUTH = dataclasses.replace(MEASURED, collective_step_s=200e-6, collective_call_s=300e-6)
 
 
 def _graph(width: int) -> object:
@@ -241,8 +239,8 @@ def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
     assert error < 1e-3
     assert fitted.collective_step_s == pytest.approx(200e-6, rel=0.05)
     assert fitted.collective_call_s == pytest.approx(300e-6, rel=0.05)
-    assert fitted.ps_call_s == pytest.approx(500e-6, rel=0.05)
-    assert fitted.message_overhead_s == MEASURED.message_overhead_s  # measured, not fitted
+    for name in ("message_overhead_s", "ps_call_s", "ps_local_call_s"):  # measured, not fitted
+        assert getattr(fitted, name) == getattr(MEASURED, name)
     assert fitted.at_bound == ()
     with pytest.raises(ValueError, match="at least 4 runs"):
         fit_runs(MEASURED, runs[:3])
@@ -281,7 +279,7 @@ def test_a_calibration_records_its_jobs_and_refits_on_them_from_the_file(tmp_pat
     assert [r["name"] for r in fitted.job_runs] == [r.name for r in _recorded_jobs(JOB_TRUTH)]
     path = tmp_path / "cal.json"
     # A model change moved the constants away; the file still holds the jobs they were fitted on.
-    moved = {"collective_step_s": 1e-3, "collective_call_s": 2e-6, "ps_call_s": 1e-4}
+    moved = {"collective_step_s": 1e-3, "collective_call_s": 2e-6}
     dataclasses.replace(fitted, **moved).save(path)
     loaded = load_calibration(path)
     assert loaded.job_runs == fitted.job_runs

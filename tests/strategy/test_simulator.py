@@ -512,6 +512,7 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
         "sum_bandwidth",
         "message_overhead_s",
         "ps_call_s",
+        "ps_local_call_s",
         "collective_step_s",
         "collective_call_s",
         "collective_step_cpu_s",
@@ -664,7 +665,7 @@ def test_ranks_sharing_a_small_quota_are_bound_by_the_collective_cpu_they_consum
     )
 
 
-def test_every_rank_pays_its_push_pull_calls_though_its_machine_pushes_once():
+def test_every_rank_pays_its_push_pull_calls_and_further_ranks_their_local_reduction():
     # a: two devices under half a core, b: one under a quarter; every tensor is one push_pull per rank.
     groups = (
         DeviceGroup("a", "CPU", 2, 40.0, peak_flops=160e9 * 0.25),
@@ -683,6 +684,17 @@ def test_every_rank_pays_its_push_pull_calls_though_its_machine_pushes_once():
     assert cpu["a/compute"] == pytest.approx(2 * tensors * call / 0.5)
     assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
     assert result.iteration_time > base.evaluate(plan).iteration_time
+    # a's second rank also costs the shared-memory reduction's coordination; b, alone, skips it.
+    local = 3e-3
+    host = HostCpu(160e9, ps_call_s=call, ps_local_call_s=local)
+    reducing = Simulator(base.graph, base.grouping, base.topology, host_cpu=host).evaluate(plan, trace=True)
+    cpu = {
+        r: sum(t.end - t.start for t in first_step(reducing) if t.category == "ps-cpu" and t.resource == r)
+        for r in ("a/compute", "b/compute")
+    }
+    assert cpu["a/compute"] == pytest.approx(tensors * (2 * call + local) / 0.5)
+    assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
+    assert reducing.iteration_time > result.iteration_time
 
 
 def test_a_ps_call_pays_its_messages_and_not_a_collectives_launch():
