@@ -1,18 +1,18 @@
 """Intra-machine reduction through shared memory (BytePS's communication service, CPU side).
 
 The participating processes of one machine (its local ranks) each copy a tensor into their own slot of a
-shared-memory arena (a file in ``/dev/shm``). When every slot is filled, each participant sums one shard
-of the tensor (reduce-scatter style) in one C++ call (:meth:`tagps.comm.arena.ShmArena.reduce_shard`: the
-kernels of :func:`tagps.kernels.sum_into` with the GIL released), following the machine's topology: inside
+shared-memory arena (a file in ``/dev/shm``). When every slot is filled, each participant sums one shard of
+the tensor (reduce-scatter style; a tensor of at most :data:`ROOT_SUMS_BYTES` the root sums alone, which
+spares each participant a message each way) in one C++ call (:meth:`tagps.comm.arena.ShmArena.reduce_shard`:
+the kernels of :func:`tagps.kernels.sum_into` with the GIL released), following the machine's topology: inside
 each group of local ranks (a PCIe switch or a NUMA node, from ``BYTEPS_PCIE_SWITCH_SIZE`` or
-``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into the arena's
-result row. The machine's root (local rank 0) then hands the result row to ``cross`` (the push and pull to
-the summation servers) and, when that completed, every participant copies it back into its tensor. (The
-result has its own row because the root refills its input slot for the next round while the others may
-still be copying the previous result out.) An arena reserves its whole size when it is created, so a full
-``/dev/shm`` fails that tensor's reduction with :class:`tagps.comm.arena.ArenaFull` instead of a SIGBUS.
-A machine with a single participant skips all of this: its tensor is the local sum, handed to ``cross`` in
-place.
+``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into the arena's result
+row. The machine's root (local rank 0) then hands the result row to ``cross`` (the push and pull to the
+summation servers) and, when that completed, every participant copies it back into its tensor. (The result has
+its own row because the root refills its input slot for the next round while the others may still be copying
+the previous result out.) An arena reserves its whole size when it is created, so a full ``/dev/shm`` fails
+that tensor's reduction with :class:`tagps.comm.arena.ArenaFull` instead of a SIGBUS. A machine with a single
+participant skips all of this: its tensor is the local sum, handed to ``cross`` in place.
 
 Coordination is a small message protocol over ZeroMQ on loopback, driven by one service thread per
 process; the root counts ``ready`` and ``reduced`` messages per tensor name and answers ``reduce`` and
@@ -54,6 +54,11 @@ from tagps.comm.handle import WAIT_SLICE_S, CompletedWork, Waitable, raise_if_fa
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
 
 log = logging.getLogger(__name__)
+
+# Up to this size the root sums every slot itself: a shard for each participant costs two more messages
+# and wake-ups per participant and call (hundreds of microseconds of CPU on a quota'd core), more than
+# summing 256 KiB from a few slots (tens of microseconds).
+ROOT_SUMS_BYTES = 256 << 10
 
 
 class _Malformed(Exception):
@@ -401,14 +406,24 @@ class LocalReducer:
         rnd.ready.add(member)
         if len(rnd.ready) == len(self._participants):
             # Every participant has mapped the arena by now: unlink it so that no crash can leak it.
-            self._arenas[name].unlink()
-            self._broadcast(b"reduce", name.encode())
+            arena = self._arenas[name]
+            arena.unlink()
+            if arena.count * arena.dtype.itemsize > ROOT_SUMS_BYTES:
+                self._broadcast(b"reduce", name.encode())
+                return
+            arena.reduce_shard(self._groups, 0, arena.count)
+            rnd.reduced.update(range(len(self._participants)))
+            self._all_reduced(name)
 
     def _on_reduced(self, name: str, member: int) -> None:
         rnd = self._rounds[name]
         rnd.reduced.add(member)
-        if len(rnd.reduced) < len(self._participants):
-            return
+        if len(rnd.reduced) == len(self._participants):
+            self._all_reduced(name)
+
+    def _all_reduced(self, name: str) -> None:
+        """The local sum of ``name`` is in its arena's result row: push and pull it, or finish the round."""
+        rnd = self._rounds[name]
         if self._cross is None:
             self._finish(name)
         else:

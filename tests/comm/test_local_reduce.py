@@ -19,7 +19,7 @@ import zmq
 
 from tagps.comm.arena import ShmArena
 from tagps.comm.handle import CompletedWork
-from tagps.comm.local_reduce import LocalReducer
+from tagps.comm.local_reduce import ROOT_SUMS_BYTES, LocalReducer
 from tagps.launcher import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,6 +86,35 @@ def test_garbage_on_the_loopback_socket_is_dropped_and_the_sums_stay_exact(tmp_p
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
 
 
+def _commands(rank: int, init: str, shm_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=3)
+    reducer = LocalReducer([0, 1, 2], [[0, 1, 2]], rank, 0, cross=None, timeout=30, shm_dir=shm_dir)
+    seen: list[tuple[str, bytes]] = []
+    handle = reducer._on_command
+
+    def recording(frames: list[bytes]) -> None:
+        seen.append((frames[1].decode(), frames[0]))
+        handle(frames)
+
+    reducer._on_command = recording  # type: ignore[method-assign]
+    try:
+        big = ROOT_SUMS_BYTES // 4 + 1  # float32 elements: one past the size the root sums alone
+        for name, count in (("small", 1000), ("big", big), ("small", 1000), ("big", big)):
+            x = torch.arange(count, dtype=torch.float32) * (rank + 1)
+            reducer.submit(name, x).wait()
+            assert torch.equal(x, torch.arange(count, dtype=torch.float32) * 6), (rank, name, x[:3])
+        if rank:  # a small tensor's participants only hear "done"; a big one's sum a shard each first
+            assert seen == [("small", b"done"), ("big", b"reduce"), ("big", b"done")] * 2, seen
+    finally:
+        reducer.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_the_root_sums_a_small_tensor_alone_and_a_big_one_in_shards(tmp_path: Path) -> None:
+    mp.spawn(_commands, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=3, join=True)
+
+
 def _root_fails(rank: int, init: str, shm_dir: str, late: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     reducer = LocalReducer([0, 1], [[0, 1]], rank, 0, cross=None, timeout=60, shm_dir=shm_dir)
@@ -119,7 +148,7 @@ _SETUP_WORKER = """
 import os, signal, sys, time
 from pathlib import Path
 from tagps.comm import collectives
-from tagps.comm.local_reduce import LocalReducer
+from tagps.comm.local_reduce import ROOT_SUMS_BYTES, LocalReducer
 from tagps.config import comm_config
 
 victim, sig, died, shm_dir = int(sys.argv[1]), getattr(signal, sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
