@@ -606,7 +606,7 @@ def calibrate_stages(
             if jobs:
                 # Measured first: the job fit costs plans with the quota that this CPU takes.
                 measured, runtime_refs = measure_runtime_cpu(
-                    cluster, 100 if quick else 300, fitted["message_overhead_s"]
+                    cluster, 100 if quick else 1000, fitted["message_overhead_s"]
                 )
                 link_refs.update(runtime_refs)
                 log(
