@@ -32,9 +32,11 @@ Prints a table and writes JSON (default bench/results/search.json) with ``machin
   within 2 % of the best known (a 20x longer uniform search without progressive widening, or any search's
   best), each search capped at the search's default budget (1000 iterations; 200 with --quick) and a search
   that never gets there counting cap + 1: ``iters_to_near_best_gnn`` and ``iters_to_near_best_uniform``;
-  target GNN <= 1/3 of uniform. ``near_best_reached_*`` count the topologies where each got there, and the
-  ``*_cap100`` figures cut the same searches at 100 iterations (the study's cap before 2026-12-06, under
-  which the uniform search got near on 1 topology of 20, so the means mostly counted misses).
+  target GNN <= 1/3 of uniform. The same study runs an untrained control (the network with seeded random
+  weights: ``iters_to_near_best_untrained``, ``near_best_untrained_over_uniform_iters``), which must miss
+  the target for the study to mean anything. ``near_best_reached_*`` count the topologies where each got
+  there, and the ``*_cap100`` figures cut the same searches at 100 iterations (the study's cap before
+  2026-12-06, under which the uniform search got near on 1-2 topologies of 20: the means counted misses).
   ``--study-only`` runs this study alone and merges its figures into the existing JSON (the other figures,
   and the commands that produced them, are kept); ``--presets-only`` does the same with the per-model
   table (its figures, the summary figures above and ``plans``).
@@ -58,7 +60,7 @@ import torch
 from benchlib import machine_info, write_json
 
 from tagps.models import default_batch_size
-from tagps.strategy.gnn import GNNPrior, load_prior
+from tagps.strategy.gnn import GNNConfig, GNNPrior, TagGNN, load_prior
 from tagps.strategy.graph import model_graph
 from tagps.strategy.grouping import group_ops
 from tagps.strategy.mcts import SearchConfig, SearchResult, search
@@ -206,10 +208,17 @@ def compare(gnn: list[int | None], uniform: list[int | None], cap: int) -> tuple
     return g_mean, u_mean, len(gnn) - len(pairs)
 
 
+def untrained_prior() -> GNNPrior:
+    """The study's control: the shipped network's architecture with seeded random weights."""
+    torch.manual_seed(0)
+    return GNNPrior(TagGNN(GNNConfig()))
+
+
 def near_best_study(prior: GNNPrior, cap: int, groups: int) -> tuple[dict[str, float], list[dict]]:
-    """Run the near-best study; return its figures and the per-topology rows."""
+    """Run the near-best study (the shipped GNN, an untrained control and the uniform prior on the same
+    topologies); return its figures and the per-topology rows."""
     start = time.perf_counter()
-    near = iters_to_near_best({"gnn": prior, "uniform": None}, HELD_OUT_MODEL,
+    near = iters_to_near_best({"gnn": prior, "untrained": untrained_prior(), "uniform": None}, HELD_OUT_MODEL,
                               [random_topology(s) for s in HELD_OUT_SEEDS], cap, groups)
     figures: dict[str, float] = {}
     # The same searches cut at EARLY_CAP as well (a search's first n iterations do not depend on its budget):
@@ -218,17 +227,15 @@ def near_best_study(prior: GNNPrior, cap: int, groups: int) -> tuple[dict[str, f
         cut = [replace(r, iters={k: v if v is not None and v <= limit else None for k, v in r.iters.items()})
                for r in near]
         means = near_best_means(cut, limit)
-        figures.update({
-            f"iters_to_near_best_gnn{suffix}": round(means["gnn"], 4),
-            f"iters_to_near_best_uniform{suffix}": round(means["uniform"], 4),
-            f"near_best_reached_gnn{suffix}": sum(r.iters["gnn"] is not None for r in cut),
-            f"near_best_reached_uniform{suffix}": sum(r.iters["uniform"] is not None for r in cut),
-            f"near_best_gnn_over_uniform_iters{suffix}": round(means["gnn"] / means["uniform"], 4),
-        })
-        reached = {k: figures[f"near_best_reached_{k}{suffix}"] for k in means}
+        reached = {k: sum(r.iters[k] is not None for r in cut) for k in means}
+        for k in means:
+            figures[f"iters_to_near_best_{k}{suffix}"] = round(means[k], 4)
+            figures[f"near_best_reached_{k}{suffix}"] = reached[k]
+        for k in ("gnn", "untrained"):
+            figures[f"near_best_{k}_over_uniform_iters{suffix}"] = round(means[k] / means["uniform"], 4)
         print(f"  iterations to within 2 % of the best known ({HELD_OUT_MODEL}, {len(near)} held-out "
-              f"topologies, cap {limit}): GNN {means['gnn']:.2f} (got there on {reached['gnn']}), "
-              f"uniform {means['uniform']:.2f} (on {reached['uniform']})")
+              f"topologies, cap {limit}): " + ", ".join(
+                  f"{k} {means[k]:.2f} (got there on {reached[k]})" for k in means))
     figures.update({"near_best_topologies": len(near), "near_best_cap": cap,
                     "near_best_seconds": round(time.perf_counter() - start, 1)})
     rows = [{"topology": r.topology, "best_known_ms": round(r.best_known_s * 1e3, 4), **r.iters}
