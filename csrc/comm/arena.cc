@@ -1,12 +1,18 @@
 #include "comm/arena.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -38,6 +44,16 @@ struct Fd {
   ~Fd() { ::close(fd); }
 };
 
+// Whether round `got` is at or past round `want` (sequence numbers wrap around).
+bool reached(uint32_t got, uint32_t want) { return static_cast<int32_t>(got - want) >= 0; }
+
+// Futexes on a MAP_SHARED mapping, so not FUTEX_PRIVATE: waiters and wakers are different processes.
+long futex_wait(uint32_t* word, uint32_t expected, const struct timespec* timeout) {
+  return ::syscall(SYS_futex, word, FUTEX_WAIT, expected, timeout, nullptr, 0);
+}
+
+void futex_wake_all(uint32_t* word) { ::syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
+
 void parallel_copy(void* dst, const void* src, size_t nbytes) {
   parallel_for(nbytes, kMinParallelCopy, [&](size_t begin, size_t end) {
     std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin);
@@ -46,13 +62,33 @@ void parallel_copy(void* dst, const void* src, size_t nbytes) {
 
 }  // namespace
 
+// The control block's layout, shared by every process that maps the file (plain words, accessed with
+// __atomic builtins: the futex needs a plain uint32_t address).
+struct Arena::SlotState {
+  uint32_t ready;  // the last round this slot was written for
+  uint32_t dtype;  // what its writer mapped
+  uint64_t count;
+};
+
+struct Arena::Control {
+  uint32_t done;    // the last round published
+  uint32_t failed;  // non-zero once the reduction failed
+  uint64_t reserved;
+  SlotState slots[1];  // `slots` of them
+};
+
+Arena::Control* Arena::control() const { return static_cast<Control*>(base_); }
+
+Arena::SlotState* Arena::slot_state(size_t slot) const { return &control()->slots[0] + slot; }
+
 Arena::Arena(ArenaOptions options) : o_(std::move(options)) {
   TAGPS_ENFORCE_GT(o_.slots, size_t{0}, "arena ", o_.path, ": slots");
   TAGPS_ENFORCE_GT(o_.count, size_t{0}, "arena ", o_.path, ": count");
   const size_t rows = o_.slots + 1;
-  TAGPS_ENFORCE(o_.count <= std::numeric_limits<size_t>::max() / dtype_size(o_.dtype) / rows, "arena ",
-                o_.path, ": ", rows, " rows of ", o_.count, " elements overflow the address space");
-  bytes_ = rows * row_bytes();
+  header_bytes_ = (offsetof(Control, slots) + o_.slots * sizeof(SlotState) + 63) / 64 * 64;
+  TAGPS_ENFORCE(o_.count <= (std::numeric_limits<size_t>::max() - header_bytes_) / dtype_size(o_.dtype) / rows,
+                "arena ", o_.path, ": ", rows, " rows of ", o_.count, " elements overflow the address space");
+  bytes_ = header_bytes_ + rows * row_bytes();
 
   const int fd = ::open(o_.path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) throw Error(os_error("cannot open the shared-memory arena", o_.path, errno));
@@ -82,7 +118,54 @@ Arena::~Arena() { ::munmap(base_, bytes_); }
 
 char* Arena::row(size_t i) const {
   TAGPS_ENFORCE_LE(i, o_.slots, "arena ", o_.path, ": row");
-  return static_cast<char*>(base_) + i * row_bytes();
+  return static_cast<char*>(base_) + header_bytes_ + i * row_bytes();
+}
+
+void Arena::mark_ready(size_t slot, uint32_t seq) {
+  TAGPS_ENFORCE(slot < o_.slots, "arena ", o_.path, ": slot ", slot, " of ", o_.slots);
+  SlotState* s = slot_state(slot);
+  s->dtype = static_cast<uint32_t>(o_.dtype);
+  s->count = o_.count;
+  __atomic_store_n(&s->ready, seq, __ATOMIC_RELEASE);
+}
+
+Arena::Ready Arena::all_ready(uint32_t seq) const {
+  bool same = true;
+  for (size_t i = 0; i < o_.slots; ++i) {
+    const SlotState* s = slot_state(i);
+    if (!reached(__atomic_load_n(&s->ready, __ATOMIC_ACQUIRE), seq)) return Ready::kNotYet;
+    same = same && s->dtype == static_cast<uint32_t>(o_.dtype) && s->count == o_.count;
+  }
+  return same ? Ready::kAll : Ready::kShapesDiffer;
+}
+
+void Arena::publish(uint32_t seq) {
+  __atomic_store_n(&control()->done, seq, __ATOMIC_RELEASE);
+  futex_wake_all(&control()->done);
+}
+
+void Arena::fail() {
+  __atomic_store_n(&control()->failed, 1u, __ATOMIC_RELEASE);
+  futex_wake_all(&control()->done);
+}
+
+bool Arena::done(uint32_t seq) const { return reached(__atomic_load_n(&control()->done, __ATOMIC_ACQUIRE), seq); }
+
+Arena::Done Arena::wait_done(uint32_t seq, double timeout_s) const {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(std::max(0.0, timeout_s));
+  uint32_t* word = &control()->done;
+  while (true) {
+    const uint32_t now_done = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if (reached(now_done, seq)) return Done::kDone;
+    if (__atomic_load_n(&control()->failed, __ATOMIC_ACQUIRE) != 0) return Done::kFailed;
+    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return Done::kTimedOut;
+    struct timespec ts {};
+    ts.tv_sec = static_cast<time_t>(left / 1000000000);
+    ts.tv_nsec = static_cast<long>(left % 1000000000);
+    futex_wait(word, now_done, &ts);  // EAGAIN (changed meanwhile), EINTR, ETIMEDOUT: look again
+  }
 }
 
 void Arena::copy_in(size_t slot, const void* src, size_t nbytes) {

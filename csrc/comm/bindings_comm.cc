@@ -42,6 +42,26 @@ tagps.comm.arena.ShmArena). Its buffer is the whole mapping as bytes; it stays m
            R"pbdoc(Open or create the file at path, reserve its full size (ArenaFull when there is no
 room; the file is then removed) and map it.)pbdoc")
       .def_property_readonly("row_bytes", &Arena::row_bytes)
+      .def_property_readonly("header_bytes", &Arena::header_bytes,
+                             "Bytes of the control block before the rows (the result row starts at "
+                             "header_bytes + slots * row_bytes).")
+      .def("mark_ready", &Arena::mark_ready, py::arg("slot"), py::arg("seq"),
+           "Mark slot `slot` written for round `seq` (after the write: a release store).")
+      .def(
+          "all_ready", [](const Arena& a, uint32_t seq) { return static_cast<int>(a.all_ready(seq)); },
+          py::arg("seq"),
+          "0: some slot is not ready for round `seq` yet; 1: all are; 2: all are but mapped other dtypes or "
+          "counts.")
+      .def("publish", &Arena::publish, py::arg("seq"), "The result row holds round `seq`: wake the waiters.")
+      .def("fail", &Arena::fail, "Fail the reduction: every wait_done() returns 1 from now on.")
+      .def("done", &Arena::done, py::arg("seq"), "Whether round `seq` was published.")
+      .def(
+          "wait_done",
+          [](const Arena& a, uint32_t seq, double timeout_s) {
+            return static_cast<int>(a.wait_done(seq, timeout_s));
+          },
+          py::arg("seq"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
+          "Wait for round `seq` to be published (0), the arena to fail (1) or timeout_s to pass (2).")
       .def_buffer([](Arena& a) {
         return py::buffer_info(a.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(a.bytes())}, {py::ssize_t{1}}, /*readonly=*/false);

@@ -2,8 +2,8 @@
 
 The participating processes of one machine (its local ranks) each copy a tensor into their own slot of a
 shared-memory arena (a file in ``/dev/shm``). When every slot is filled, each participant sums one shard of
-the tensor (reduce-scatter style; a tensor of at most :data:`ROOT_SUMS_BYTES` the root sums alone, which
-spares each participant a message each way) in one C++ call (:meth:`tagps.comm.arena.ShmArena.reduce_shard`:
+the tensor (reduce-scatter style; a tensor of at most :data:`ROOT_SUMS_BYTES` the root sums alone, see
+below) in one C++ call (:meth:`tagps.comm.arena.ShmArena.reduce_shard`:
 the kernels of :func:`tagps.kernels.sum_into` with the GIL released), following the machine's topology: inside
 each group of local ranks (a PCIe switch or a NUMA node, from ``BYTEPS_PCIE_SWITCH_SIZE`` or
 ``TAGPS_LOCAL_TOPOLOGY``) into the group leader's slot first, then the group results into the arena's result
@@ -14,9 +14,15 @@ the previous result out.) An arena reserves its whole size when it is created, s
 that tensor's reduction with :class:`tagps.comm.arena.ArenaFull` instead of a SIGBUS. A machine with a single
 participant skips all of this: its tensor is the local sum, handed to ``cross`` in place.
 
-Coordination is a small message protocol over ZeroMQ on loopback, driven by one service thread per
-process; the root counts ``ready`` and ``reduced`` messages per tensor name and answers ``reduce`` and
-``done``. Tensor names are the keys, so participants may submit in different orders.
+Coordination of a tensor above :data:`ROOT_SUMS_BYTES` is a small message protocol over ZeroMQ on loopback,
+driven by one service thread per process; the root counts ``ready`` and ``reduced`` messages per tensor
+name and answers ``reduce`` and ``done``. Tensor names are the keys, so participants may submit in
+different orders. A tensor of at most that size, which the root sums alone, takes no message and no
+service thread on the other participants: the submitting thread writes its slot, marks it ready for the
+round in the arena's control block and writes a byte into the root's doorbell (a FIFO next to the arenas,
+which the root's service thread polls beside its sockets), and ``wait()`` sleeps on a futex until the root
+publishes the round. Each message and service-thread wake-up cost hundreds of microseconds of CPU per call
+on a quota'd core (the ``ps_local_call_s`` that calibration measures), and small tensors are most calls.
 
 The root's socket listens on loopback, where any local process can connect. Every message to it therefore
 starts with a random per-reducer token that the root hands to the participants through the collective
@@ -24,7 +30,8 @@ setup (``all_gather_object``), and names its sender; the root answers a particip
 last sent it an authenticated message. A message without the token, from an unknown participant, or
 malformed (too few frames, a bad number, a name with no round) is logged and dropped: the service thread
 never dies of one. When the service thread fails for any other reason, the root tells every participant
-of each unfinished round, so their ``wait()`` raises at once instead of after the timeout.
+of each unfinished round (and fails the arenas of small tensors, which wakes their futex waits), so their
+``wait()`` raises at once instead of after the timeout.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from tagps.comm.arena import ShmArena
+from tagps.comm.arena import ALL_READY, DONE, FAILED, NOT_READY, ShmArena
 from tagps.comm.collectives import run_blocking
 from tagps.comm.handle import WAIT_SLICE_S, CompletedWork, Waitable, raise_if_failed
 
@@ -59,6 +66,7 @@ log = logging.getLogger(__name__)
 # and wake-ups per participant and call (hundreds of microseconds of CPU on a quota'd core), more than
 # summing 256 KiB from a few slots (tens of microseconds).
 ROOT_SUMS_BYTES = 256 << 10
+_ROUNDS = 1 << 32  # the arena's round counters wrap around here
 
 
 class _Malformed(Exception):
@@ -95,12 +103,64 @@ class ReductionFuture:
         while not self._event.wait(WAIT_SLICE_S):
             raise_if_failed()
             if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"reduction of {self._name!r} did not finish within {self._timeout:.0f} s "
-                    "(TAGPS_DIST_TIMEOUT); did another local rank exit or skip it?"
-                )
+                raise self._timed_out()
+        self._raise_error()
+
+    def _timed_out(self) -> RuntimeError:
+        return RuntimeError(
+            f"reduction of {self._name!r} did not finish within {self._timeout:.0f} s "
+            "(TAGPS_DIST_TIMEOUT); did another local rank exit or skip it?"
+        )
+
+    def _raise_error(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"reduction of {self._name!r} failed: {self._error}") from self._error
+
+
+class _SmallRound(ReductionFuture):
+    """A participant's round of a tensor the root sums alone: ``wait()`` sleeps on the arena's futex (GIL
+    released) and copies the result out; the service thread only ever calls :meth:`set` (a "fail")."""
+
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        arena: ShmArena,
+        seq: int,
+        tensor: torch.Tensor,
+        on_end: Callable[[], None],
+    ) -> None:
+        super().__init__(name, timeout)
+        self._arena = arena
+        self._seq = seq
+        self._tensor = tensor
+        self._on_end = on_end
+        self._finished = False
+
+    def is_completed(self) -> bool:
+        return self._finished or self._event.is_set() or self._arena.done(self._seq)
+
+    def wait(self) -> None:
+        if self._finished:
+            return
+        deadline = time.monotonic() + self._timeout
+        try:
+            while not self._event.is_set():
+                state = self._arena.wait_done(self._seq, WAIT_SLICE_S)
+                if state == DONE:
+                    self._arena.read_result(self._tensor)
+                    self._finished = True
+                    return
+                if state == FAILED:  # the root's "fail", with its reason, follows on the socket
+                    if not self._event.wait(1.0):
+                        raise RuntimeError(f"reduction of {self._name!r} failed: the local root failed")
+                    break
+                raise_if_failed()
+                if time.monotonic() >= deadline:
+                    raise self._timed_out()
+            self._raise_error()
+        finally:
+            self._on_end()
 
 
 @dataclass
@@ -113,10 +173,19 @@ class _RootRound:
     priority: int = 0
     cross: Waitable | None = None
     crossed: concurrent.futures.Future[None] | None = None  # a waiter thread's wait for ``cross``
+    seq: int | None = None  # a tensor the root sums alone: the arena round it publishes when done
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _itemsize(dtype_name: str) -> int:
+    """Bytes per element of a dtype named as :func:`_dtype_name` names it; :class:`_Malformed` otherwise."""
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise _Malformed(f"{dtype_name[:32]!r} is not a dtype")
+    return dtype.itemsize
 
 
 def _text(frame: bytes) -> str:
@@ -181,12 +250,19 @@ class LocalReducer:
         endpoint = None
         job = None
         token = None
+        self._bell = -1  # the doorbell FIFO: the root reads it, the other participants write it
+        self._bell_path = ""
         if self._root:
             self._sock = self._ctx.socket(zmq.ROUTER)
             port = self._sock.bind_to_random_port("tcp://127.0.0.1")
             endpoint = f"tcp://127.0.0.1:{port}"
             job = uuid.uuid4().hex[:12]
             token = secrets.token_bytes(16)
+            if len(self._participants) > 1:
+                self._bell_path = os.path.join(shm_dir, f"tagps-{job}-m{machine}-bell")
+                os.mkfifo(self._bell_path, 0o600)
+                # Read-write, so that the FIFO never reads as closed while no participant has it open.
+                self._bell = os.open(self._bell_path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         everyone: list[Any] = [None] * dist.get_world_size()
         mine = (machine, local_rank, endpoint, job, token)
         try:  # a peer that dies meanwhile is named within PS_HEARTBEAT_TIMEOUT, not TAGPS_DIST_TIMEOUT
@@ -194,10 +270,16 @@ class LocalReducer:
         except BaseException:
             if self._root:
                 self._sock.close(linger=0)
+                if self._bell >= 0:
+                    os.close(self._bell)
+                self._unlink_bell()
             raise
         self._arenas: dict[str, ShmArena] = {}
         self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
         self._rounds: dict[str, _RootRound] = {}
+        self._seq: dict[str, int] = {}  # the last round of each tensor the root sums alone
+        self._pending: dict[str, int] = {}  # root: such tensors' rounds not every participant marked ready
+        self._small: dict[str, _SmallRound] = {}  # other participants: such rounds waited for
         self._tasks: queue.SimpleQueue[tuple[str, torch.Tensor, int, ReductionFuture] | None] = (
             queue.SimpleQueue()
         )
@@ -211,6 +293,8 @@ class LocalReducer:
         if not self._root:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.connect(root_info[2])
+            bell = os.path.join(shm_dir, f"tagps-{root_info[3]}-m{machine}-bell")
+            self._bell = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             self._to_root(b"hello")  # so that the root can reach this participant before it sends anything
         self._sock.setsockopt(zmq.LINGER, 0)
         self._wake_addr = f"inproc://tagps-local-reduce-{id(self)}"
@@ -243,9 +327,36 @@ class LocalReducer:
         if tensor.numel() == 0:
             future.set()
             return future
+        if not self._root and tensor.numel() * tensor.element_size() <= ROOT_SUMS_BYTES:
+            return self._submit_small(name, tensor)
         self._tasks.put((name, tensor, priority, future))
         self._wake()
         return future
+
+    def _submit_small(self, name: str, tensor: torch.Tensor) -> Waitable:
+        """A participant's round of a tensor the root sums alone, on the calling thread: write the slot,
+        mark it ready and ring the root's doorbell."""
+        if name in self._small:
+            raise RuntimeError(f"{name!r} is already being reduced; wait for it before resubmitting")
+        try:
+            arena = self._arena(name, tensor.dtype, tensor.numel())
+            arena.write(self._me, tensor)  # type: ignore[arg-type]
+        except Exception as exc:  # refused before anyone saw it, as the service thread refuses a big one
+            refused = ReductionFuture(name, self._timeout)
+            refused.set(exc)
+            return refused
+        seq = self._next_round(name)
+        future = _SmallRound(name, self._timeout, arena, seq, tensor, lambda: self._small.pop(name, None))
+        self._small[name] = future
+        arena.mark_ready(self._me, seq)  # type: ignore[arg-type]
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):  # full: the root has bytes to read
+            os.write(self._bell, b"\0")  # gone: the wait names the dead root (PeerFailed)
+        return future
+
+    def _next_round(self, name: str) -> int:
+        seq = (self._seq.get(name, 0) + 1) % _ROUNDS
+        self._seq[name] = seq
+        return seq
 
     def close(self) -> None:
         """Stop the service thread and remove this process's view of the arenas."""
@@ -259,6 +370,10 @@ class LocalReducer:
         if self._root:
             for arena in self._arenas.values():
                 arena.unlink()
+            self._unlink_bell()
+        if self._bell >= 0:
+            os.close(self._bell)
+            self._bell = -1
         self._arenas.clear()  # each mapping goes with the last view of it
         for s in (self._sock, self._wake_pull, self._wake_push):
             s.close(linger=0)
@@ -276,33 +391,41 @@ class LocalReducer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)
+        if self._root and self._bell >= 0:
+            poller.register(self._bell, zmq.POLLIN)
         try:
             while True:
                 events = dict(poller.poll(1000))
+                # One message per socket and poll: draining with ``while sock.poll(0)`` (pyzmq builds a
+                # Poller per call) or with non-blocking receives until zmq.Again (an exception per drain)
+                # cost the service thread more CPU than the next poll does.
                 if self._wake_pull in events:
-                    while self._wake_pull.poll(0):
-                        self._wake_pull.recv()
+                    self._wake_pull.recv()
                     while not self._tasks.empty():
                         task = self._tasks.get()
                         if task is None:
                             return
                         self._start(*task)
                 if self._sock in events:
-                    while self._sock.poll(0):
-                        frames = self._sock.recv_multipart()
-                        try:
-                            self._on_message(frames)
-                        except _Malformed as exc:
-                            log.warning("local reduction dropped a message: %s", exc)
+                    try:
+                        self._on_message(self._sock.recv_multipart())
+                    except _Malformed as exc:
+                        log.warning("local reduction dropped a message: %s", exc)
+                if self._root and self._bell in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._bell, 1 << 16)
+                    self._check_pending()
                 if self._root:
                     self._check_cross()
         except BaseException as exc:  # every pending wait() must see it instead of timing out
             self._error = exc
             log.exception("the local reduction service failed")
             if self._root:  # the other participants' waits too
-                for name in list(self._rounds):
+                for name in {*self._rounds, *self._pending}:
                     with contextlib.suppress(Exception):
                         self._broadcast(b"fail", name.encode(), f"the local root failed: {exc!r}".encode())
+                for arena in self._arenas.values():  # wakes the waits of the tensors the root sums alone
+                    arena.fail()
             for _, future in self._waiting.values():
                 future.set(exc)
             self._waiting.clear()
@@ -337,7 +460,13 @@ class LocalReducer:
         # which tells every participant, as a failure on a socket message does.
         self._waiting[name] = (tensor, future)
         shape = (_dtype_name(tensor.dtype), tensor.numel())
-        if self._root:
+        if self._root and tensor.numel() * tensor.element_size() <= ROOT_SUMS_BYTES:
+            seq = self._next_round(name)
+            self._arenas[name].mark_ready(0, seq)
+            self._pending[name] = seq
+            self._rounds[name] = _RootRound(priority=priority, seq=seq)
+            self._check_pending()
+        elif self._root:
             self._on_ready(name, 0, shape, priority)
         else:
             self._to_root(b"ready", name.encode(), shape[0].encode(), str(shape[1]).encode())
@@ -374,8 +503,13 @@ class LocalReducer:
         kind, args = frames[3], frames[4:]
         if kind == b"hello" and not args:
             self._routes[member] = frames[0]
+            if len(self._routes) == len(self._participants) - 1:
+                self._unlink_bell()  # every participant has opened it
+                self._check_pending()
         elif kind == b"ready" and len(args) == 3:
             name, shape = _text(args[0]), (_text(args[1]), _number(args[2]))
+            if shape[1] * _itemsize(shape[0]) <= ROOT_SUMS_BYTES:
+                raise _Malformed(f"{name!r}: a tensor the root sums alone is marked ready in its arena")
             rnd = self._rounds.get(name)
             if rnd is not None and (member in rnd.ready or rnd.reduced):
                 raise _Malformed(f"participant {member} is not due to be ready for {name!r}")
@@ -406,13 +540,29 @@ class LocalReducer:
         rnd.ready.add(member)
         if len(rnd.ready) == len(self._participants):
             # Every participant has mapped the arena by now: unlink it so that no crash can leak it.
+            self._arenas[name].unlink()
+            self._broadcast(b"reduce", name.encode())
+
+    def _check_pending(self) -> None:
+        """Sum every tensor the root sums alone whose slots are all marked ready for its round."""
+        if len(self._routes) < len(self._participants) - 1:
+            return  # until every participant's hello: a "fail" could not reach them (this runs again then)
+        for name, seq in list(self._pending.items()):
             arena = self._arenas[name]
-            arena.unlink()
-            if arena.count * arena.dtype.itemsize > ROOT_SUMS_BYTES:
-                self._broadcast(b"reduce", name.encode())
-                return
+            state = arena.all_ready(seq)
+            if state == NOT_READY:
+                continue
+            del self._pending[name]
+            arena.unlink()  # every participant has mapped it by now: no crash can leak it
+            if state != ALL_READY:
+                del self._rounds[name]
+                reason = (
+                    f"local ranks disagree on {name!r}: not all of them hold {arena.count} x {arena.dtype}"
+                )
+                self._broadcast(b"fail", name.encode(), reason.encode())
+                arena.fail()
+                continue
             arena.reduce_shard(self._groups, 0, arena.count)
-            rnd.reduced.update(range(len(self._participants)))
             self._all_reduced(name)
 
     def _on_reduced(self, name: str, member: int) -> None:
@@ -442,11 +592,24 @@ class LocalReducer:
                 self._finish(name)
 
     def _finish(self, name: str) -> None:
-        del self._rounds[name]
-        self._broadcast(b"done", name.encode())
+        rnd = self._rounds.pop(name)
+        if rnd.seq is None:
+            self._broadcast(b"done", name.encode())
+            return
+        self._arenas[name].publish(rnd.seq)
+        self._send(0, b"done", name.encode())
+
+    def _unlink_bell(self) -> None:
+        if self._bell_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._bell_path)
+            self._bell_path = ""
 
     def _on_command(self, frames: list[bytes]) -> None:
         """Handle a command of the root (over the socket, or the root's own); raises :class:`_Malformed`."""
+        if len(frames) >= 2 and frames[0] == b"fail" and (small := self._small.pop(_text(frames[1]), None)):
+            small.set(RuntimeError(frames[2].decode(errors="replace") if len(frames) > 2 else "failed"))
+            return
         if len(frames) < 2 or _text(frames[1]) not in self._waiting:
             raise _Malformed("a command for no tensor being reduced here")
         kind, name = frames[0], _text(frames[1])

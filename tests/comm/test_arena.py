@@ -3,9 +3,11 @@ a clear ArenaFull error (the file removed), never a SIGBUS."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tagps.comm.arena import ArenaFull, ShmArena
+from tagps.comm.arena import (
+    ALL_READY,
+    DONE,
+    FAILED,
+    NOT_READY,
+    SHAPES_DIFFER,
+    TIMED_OUT,
+    ArenaFull,
+    ShmArena,
+)
 from tagps.comm.local_reduce import LocalReducer, shard_bounds
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -94,6 +105,50 @@ def test_a_second_mapping_sees_the_same_rows(tmp_path: Path) -> None:
     assert torch.equal(a.result, torch.full((100,), 3.0))
 
 
+def test_a_round_is_ready_when_every_slot_is_marked_with_the_same_shape(tmp_path: Path) -> None:
+    path = str(tmp_path / "arena")
+    a, b = ShmArena(path, torch.float32, 2, 100), ShmArena(path, torch.float32, 2, 100)
+    assert a.all_ready(1) == NOT_READY
+    a.mark_ready(0, 1)
+    assert a.all_ready(1) == NOT_READY
+    b.mark_ready(1, 1)
+    assert a.all_ready(1) == b.all_ready(1) == ALL_READY
+    assert a.all_ready(2) == NOT_READY
+    other = ShmArena(path, torch.float32, 2, 50)  # the same name mapped with another count
+    a.mark_ready(0, 2)
+    other.mark_ready(1, 2)
+    assert a.all_ready(2) == SHAPES_DIFFER
+
+
+def test_waiters_wake_when_a_round_is_published_or_the_arena_fails(tmp_path: Path) -> None:
+    path = str(tmp_path / "arena")
+    root, member = ShmArena(path, torch.float32, 2, 100), ShmArena(path, torch.float32, 2, 100)
+    start = time.monotonic()
+    assert member.wait_done(1, 0.05) == TIMED_OUT
+    assert 0.04 < time.monotonic() - start < 1
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(member.wait_done, 1, 30)
+        time.sleep(0.1)
+        assert not waiting.done()
+        root.publish(1)
+        assert waiting.result(timeout=5) == DONE
+        assert member.done(1) and not member.done(2)
+        waiting = pool.submit(member.wait_done, 2, 30)
+        time.sleep(0.1)
+        root.fail()
+        assert waiting.result(timeout=5) == FAILED
+    assert member.wait_done(1, 0) == DONE  # a published round stays done
+    assert member.wait_done(3, 0) == FAILED  # a failed arena stays failed
+
+
+def test_rounds_compare_across_the_wrap_of_their_counter(tmp_path: Path) -> None:
+    arena = ShmArena(str(tmp_path / "arena"), torch.float32, 1, 10)
+    arena.publish(2**32 - 1)
+    assert arena.done(2**32 - 2) and arena.done(2**32 - 1) and not arena.done(0)
+    arena.publish(1)  # two rounds later, past the wrap
+    assert arena.done(2**32 - 1) and arena.done(0) and arena.done(1) and not arena.done(2)
+
+
 def test_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
     arena = ShmArena(str(tmp_path / "arena"), torch.float32, 2, 100)
     with pytest.raises(ValueError, match=r"holds 100 x torch\.float32, got 100 x torch\.float64"):
@@ -131,7 +186,8 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_a_full_filesystem_is_arena_full_and_the_file_is_removed(small_tmpfs: Path) -> None:
     fits = ShmArena(str(small_tmpfs / "fits"), torch.float32, 3, 32 * 1024)  # 512 KiB of the 1 MiB
     path = small_tmpfs / "too-big"
-    needed = rf"{re.escape(str(path))}: it needs {5 * MIB} bytes .* has \d+ bytes free"
+    # 5 rows of 1 MiB and the control block (16 bytes and 16 per slot, rounded up to 64).
+    needed = rf"{re.escape(str(path))}: it needs {5 * MIB + 128} bytes .* has \d+ bytes free"
     with pytest.raises(ArenaFull, match=needed) as info:
         ShmArena(str(path), torch.float32, 4, MIB // 4)
     assert isinstance(info.value, OSError)
@@ -145,7 +201,7 @@ def _full_worker(rank: int, init: str, shm_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     reducer = LocalReducer([0, 1], [[0, 1]], rank, 0, cross=None, timeout=60, shm_dir=shm_dir)
     try:
-        with pytest.raises(RuntimeError, match=r"no room for the shared-memory arena .* needs 3145728 bytes"):
+        with pytest.raises(RuntimeError, match=r"no room for the shared-memory arena .* needs 3145792 bytes"):
             reducer.submit("big", torch.ones(MIB // 4)).wait()
     finally:
         reducer.close()

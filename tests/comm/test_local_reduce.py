@@ -38,6 +38,9 @@ def _garbage(token: bytes) -> list[list[bytes]]:
         [token, b"1", b"ready", b"x", b"float32", b"-1"],
         [token, b"1", b"ready", b"\xff", b"float32", b"1000"],
         [token, b"1", b"reduced", b"x"],
+        [token, b"1", b"ready", b"x", b"int3", b"1000"],
+        # Well formed, but "x" is a tensor the root sums alone: its readiness is in the arena, not a message.
+        [token, b"1", b"ready", b"x", b"float32", b"1000"],
         [token, b"1", b"bogus"],
         [token],
     ]
@@ -103,8 +106,8 @@ def _commands(rank: int, init: str, shm_dir: str) -> None:
             x = torch.arange(count, dtype=torch.float32) * (rank + 1)
             reducer.submit(name, x).wait()
             assert torch.equal(x, torch.arange(count, dtype=torch.float32) * 6), (rank, name, x[:3])
-        if rank:  # a small tensor's participants only hear "done"; a big one's sum a shard each first
-            assert seen == [("small", b"done"), ("big", b"reduce"), ("big", b"done")] * 2, seen
+        if rank:  # a small tensor's participants hear nothing (the arena tells); a big one's sum a shard each
+            assert seen == [("big", b"reduce"), ("big", b"done")] * 2, seen
     finally:
         reducer.close()
         dist.destroy_process_group()
@@ -113,6 +116,25 @@ def _commands(rank: int, init: str, shm_dir: str) -> None:
 @pytest.mark.timeout(120)
 def test_the_root_sums_a_small_tensor_alone_and_a_big_one_in_shards(tmp_path: Path) -> None:
     mp.spawn(_commands, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=3, join=True)
+
+
+def _disagree(rank: int, init: str, shm_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    reducer = LocalReducer([0, 1], [[0, 1]], rank, 0, cross=None, timeout=60, shm_dir=shm_dir)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"local ranks disagree on 'x'"):
+            reducer.submit("x", torch.ones(1000 + rank)).wait()  # both small: the root sums them alone
+        assert time.monotonic() - start < 10, "a participant waited for the timeout"
+    finally:
+        reducer.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_local_ranks_that_disagree_on_a_small_tensor_fail_at_once(tmp_path: Path) -> None:
+    mp.spawn(_disagree, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert os.listdir(tmp_path) == []  # neither the arena nor the root's doorbell is left behind
 
 
 def _root_fails(rank: int, init: str, shm_dir: str, late: int) -> None:
