@@ -17,17 +17,28 @@ its descheduled members). Candidates, timed in interleaved rounds, best round ke
   result row); with two groups the arena writes each leader once more and reads it back.
 - copy_in_out, cpp vs torch: every rank's copy into its slot and one copy of the result out.
 
+Then the coordination of small tensors (unless ``--small-calls 0``): a job of ``--small-ranks`` local ranks
+on one machine (``bpslaunch --local 1 --local-size 3 --servers 1``; with one machine the local sum is the
+global one) makes ``--small-calls`` back-to-back sums of a 1 KiB tensor through ``tagps.torch.ops.start_sum``
+with ``ps`` (the shared-memory reduction: at this size the root sums alone, the others wait on a futex)
+and with ``allreduce`` (gloo over loopback TCP, the strongest simple alternative), and reports the process
+CPU every rank spends per call (``python -m tagps.calibrate --runtime-cpu-probe``, the probe calibration
+measures ``ps_local_call_s`` with).
+
 Writes JSON (default bench/results/local_reduce.json) with the ``machine``, ``measurements`` (ms) and
 ``figures``: ``cpp_vs_python_loop_<topology>`` (python_loop time / cpp time), ``cpp_vs_sum_into``
 (sum_into time / cpp time, one group; both move ranks + 1 rows, so 1 is the floor's ratio) and
-``copy_cpp_vs_torch``.
+``copy_cpp_vs_torch``, and for the small tensors ``small_sum_machine_cpu_us_ps`` and ``_allreduce`` (all
+ranks' CPU per call, microseconds) and ``small_sum_ps_vs_allreduce`` (allreduce's CPU / ps's).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,8 +92,8 @@ def bench(
         path = os.path.join(where, "arena")
         arena = ShmArena(path, torch.float32, ranks, count)
         with open(path, "r+b") as f:
-            mm = mmap.mmap(f.fileno(), (ranks + 1) * count * 4)
-        rows = torch.frombuffer(mm, dtype=torch.float32).view(ranks + 1, count)
+            mm = mmap.mmap(f.fileno(), arena.header_bytes + (ranks + 1) * count * 4)
+        rows = torch.frombuffer(mm, dtype=torch.float32, offset=arena.header_bytes).view(ranks + 1, count)
         slots, result = rows[:-1], rows[-1]
         out = torch.empty(count)
 
@@ -125,6 +136,18 @@ def bench(
     return ms, {k: v * 1e3 for k, v in medians.items()}
 
 
+def small_sums(ranks: int, calls: int) -> dict[str, list[float]]:
+    """Every rank's process CPU seconds per back-to-back 1 KiB sum, per method (``ps``, ``allreduce``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cpu.json")
+        launch = [sys.executable, "-m", "tagps.launcher", "--local", "1", "--local-size", str(ranks)]
+        launch += ["--servers", "1"]
+        probe = [sys.executable, "-m", "tagps.calibrate", "--runtime-cpu-probe", out, "--reps", str(calls)]
+        env = {**os.environ, "TAGPS_NUM_THREADS": "1"}
+        subprocess.run([*launch, "--", *probe], check=True, env=env, timeout=600, stdout=subprocess.DEVNULL)
+        return json.loads(Path(out).read_text())
+
+
 def figures(ms: dict[str, dict[str, float]]) -> dict[str, float]:
     figs = {
         f"cpp_vs_python_loop_{topo}": ms[f"reduce_{topo}_ms"]["python_loop"] / ms[f"reduce_{topo}_ms"]["cpp"]
@@ -132,6 +155,11 @@ def figures(ms: dict[str, dict[str, float]]) -> dict[str, float]:
     }
     figs["cpp_vs_sum_into"] = ms["floor_ms"]["sum_into"] / ms["reduce_one_group_ms"]["cpp"]
     figs["copy_cpp_vs_torch"] = ms["copy_in_out_ms"]["torch"] / ms["copy_in_out_ms"]["cpp"]
+    if "small_sum_cpu_us" in ms:
+        per_call = {m: sum(v) for m, v in ms["small_sum_cpu_us"].items()}
+        figs["small_sum_machine_cpu_us_ps"] = per_call["ps"]
+        figs["small_sum_machine_cpu_us_allreduce"] = per_call["allreduce"]
+        figs["small_sum_ps_vs_allreduce"] = per_call["allreduce"] / per_call["ps"]
     return {k: round(v, 3) for k, v in figs.items()}
 
 
@@ -144,12 +172,19 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="kernel threads (TAGPS_NUM_THREADS), default 1"
     )
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the arena lives (default /dev/shm)")
+    parser.add_argument("--small-ranks", type=int, default=3, help="local ranks of the small sums, default 3")
+    parser.add_argument(
+        "--small-calls", type=int, default=2000, help="back-to-back small sums per method (0: none; 2000)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     kernels.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)  # the old path's copy_ runs on torch's threads
     start = time.perf_counter()
     ms, medians = bench(args.ranks, args.mib, args.rounds, args.shm_dir)
+    if args.small_calls:
+        cpu = small_sums(args.small_ranks, args.small_calls)
+        ms["small_sum_cpu_us"] = {m: [round(v * 1e6, 1) for v in per_rank] for m, per_rank in cpu.items()}
     figs = figures(ms)
     result = {
         "machine": machine_info(
@@ -172,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'measurement':34s} {'ms':>9s}")
     for group, values in ms.items():
         for name, value in values.items():
-            print(f"{group.removesuffix('_ms') + ': ' + name:34s} {value:9.3f}")
+            shown = f"{value:9.3f}" if isinstance(value, float) else " ".join(f"{v:.0f}" for v in value)
+            print(f"{group.removesuffix('_ms') + ': ' + name:34s} {shown}")
     print(f"\n{'figure':34s} {'ratio':>9s}")
     for key, value in figs.items():
         print(f"{key:34s} {value:9.3f}")

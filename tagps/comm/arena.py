@@ -61,8 +61,10 @@ class ShmArena:
         self.dtype = dtype
         self.count = count
         self._arena = _core.Arena(path, int(code), slots, count)
+        #: Bytes of the control block before the rows (row ``i`` starts ``i`` rows after it).
+        self.header_bytes: int = self._arena.header_bytes
+        offset = self.header_bytes + slots * self._arena.row_bytes
         #: The result row as a tensor (it keeps the mapping alive).
-        offset = self._arena.header_bytes + slots * self._arena.row_bytes
         self.result = torch.frombuffer(self._arena, dtype=dtype, count=count, offset=offset)
 
     def write(self, slot: int, tensor: torch.Tensor) -> None:
