@@ -61,6 +61,7 @@ class ShmArena:
         self.dtype = dtype
         self.count = count
         self._arena = _core.Arena(path, int(code), slots, count)
+        self._unlinked = False  # by this mapping (the root unlinks once every participant mapped it)
         #: Bytes of the control block before the rows (row ``i`` starts ``i`` rows after it).
         self.header_bytes: int = self._arena.header_bytes
         offset = self.header_bytes + slots * self._arena.row_bytes
@@ -111,8 +112,11 @@ class ShmArena:
 
     def unlink(self) -> None:
         """Remove the file's name (mappings stay valid); no error when it is already gone."""
+        if self._unlinked:
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        self._unlinked = True
 
     def _check(self, tensor: torch.Tensor) -> None:
         if tensor.dtype != self.dtype or tensor.numel() != self.count:

@@ -277,6 +277,7 @@ class LocalReducer:
         self._arenas: dict[str, ShmArena] = {}
         self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
         self._rounds: dict[str, _RootRound] = {}
+        self._done_crossing: queue.SimpleQueue[str] = queue.SimpleQueue()  # root: pushed and pulled rounds
         self._seq: dict[str, int] = {}  # the last round of each tensor the root sums alone
         self._pending: dict[str, int] = {}  # root: such tensors' rounds not every participant marked ready
         self._small: dict[str, _SmallRound] = {}  # other participants: such rounds waited for
@@ -383,7 +384,8 @@ class LocalReducer:
         with self._wake_lock:
             self._wake_push.send(b"")
 
-    def _crossed(self, _: concurrent.futures.Future[None]) -> None:
+    def _crossed(self, name: str) -> None:
+        self._done_crossing.put(name)
         with contextlib.suppress(zmq.ZMQError):  # a wait that ends after close(): nothing to wake
             self._wake()
 
@@ -583,13 +585,15 @@ class LocalReducer:
             if self._waiters is None:
                 self._waiters = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="tagps-cross")
             rnd.crossed = self._waiters.submit(rnd.cross.wait)
-            rnd.crossed.add_done_callback(self._crossed)
+            rnd.crossed.add_done_callback(lambda _, n=name: self._crossed(n))
 
     def _check_cross(self) -> None:
-        for name, rnd in list(self._rounds.items()):
-            if rnd.crossed is not None and rnd.crossed.done():
-                rnd.crossed.result()  # the push and pull's error, if any, fails the service as before
-                self._finish(name)
+        # The rounds whose push and pull ended, as their waiters report them: looking at every round in
+        # flight on each pass of the loop cost the service thread more than the rounds themselves.
+        while not self._done_crossing.empty():
+            name = self._done_crossing.get()
+            self._rounds[name].crossed.result()  # type: ignore[union-attr]  # its error fails the service
+            self._finish(name)
 
     def _finish(self, name: str) -> None:
         rnd = self._rounds.pop(name)
