@@ -588,8 +588,8 @@ class LocalReducer:
             rnd.crossed.add_done_callback(lambda _, n=name: self._crossed(n))
 
     def _check_cross(self) -> None:
-        # The rounds whose push and pull ended, as their waiters report them: looking at every round in
-        # flight on each pass of the loop cost the service thread more than the rounds themselves.
+        # The rounds whose push and pull ended, as their waiters report them, rather than a look at every
+        # round in flight on each pass of the loop (work that grew with the rounds in flight).
         while not self._done_crossing.empty():
             name = self._done_crossing.get()
             self._rounds[name].crossed.result()  # type: ignore[union-attr]  # its error fails the service
