@@ -279,7 +279,7 @@ class LocalReducer:
         self._rounds: dict[str, _RootRound] = {}
         self._done_crossing: queue.SimpleQueue[str] = queue.SimpleQueue()  # root: pushed and pulled rounds
         self._seq: dict[str, int] = {}  # the last round of each tensor the root sums alone
-        self._pending: dict[str, int] = {}  # root: such tensors' rounds not every participant marked ready
+        self._pending: set[str] = set()  # root: such tensors whose round not every participant marked ready
         self._small: dict[str, _SmallRound] = {}  # other participants: such rounds waited for
         self._tasks: queue.SimpleQueue[tuple[str, torch.Tensor, int, ReductionFuture] | None] = (
             queue.SimpleQueue()
@@ -423,7 +423,7 @@ class LocalReducer:
             self._error = exc
             log.exception("the local reduction service failed")
             if self._root:  # the other participants' waits too
-                for name in {*self._rounds, *self._pending}:
+                for name in list(self._rounds):  # a pending round is among them
                     with contextlib.suppress(Exception):
                         self._broadcast(b"fail", name.encode(), f"the local root failed: {exc!r}".encode())
                 for arena in self._arenas.values():  # wakes the waits of the tensors the root sums alone
@@ -465,7 +465,7 @@ class LocalReducer:
         if self._root and tensor.numel() * tensor.element_size() <= ROOT_SUMS_BYTES:
             seq = self._next_round(name)
             self._arenas[name].mark_ready(0, seq)
-            self._pending[name] = seq
+            self._pending.add(name)
             self._rounds[name] = _RootRound(priority=priority, seq=seq)
             self._check_pending()
         elif self._root:
@@ -549,12 +549,12 @@ class LocalReducer:
         """Sum every tensor the root sums alone whose slots are all marked ready for its round."""
         if len(self._routes) < len(self._participants) - 1:
             return  # until every participant's hello: a "fail" could not reach them (this runs again then)
-        for name, seq in list(self._pending.items()):
+        for name in list(self._pending):
             arena = self._arenas[name]
-            state = arena.all_ready(seq)
+            state = arena.all_ready(self._rounds[name].seq)  # type: ignore[arg-type]  # set for these rounds
             if state == NOT_READY:
                 continue
-            del self._pending[name]
+            self._pending.remove(name)
             arena.unlink()  # every participant has mapped it by now: no crash can leak it
             if state != ALL_READY:
                 del self._rounds[name]
