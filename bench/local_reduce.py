@@ -25,11 +25,12 @@ and with ``allreduce`` (gloo over loopback TCP, the strongest simple alternative
 CPU every rank spends per call (``python -m tagps.calibrate --runtime-cpu-probe``, the probe calibration
 measures ``ps_local_call_s`` with).
 
-Writes JSON (default bench/results/local_reduce.json) with the ``machine``, ``measurements`` (ms) and
-``figures``: ``cpp_vs_python_loop_<topology>`` (python_loop time / cpp time), ``cpp_vs_sum_into``
-(sum_into time / cpp time, one group; both move ranks + 1 rows, so 1 is the floor's ratio) and
-``copy_cpp_vs_torch``, and for the small tensors ``small_sum_machine_cpu_us_ps`` and ``_allreduce`` (all
-ranks' CPU per call, microseconds) and ``small_sum_ps_vs_allreduce`` (allreduce's CPU / ps's).
+Writes JSON (default bench/results/local_reduce.json) with the ``machine``, ``measurements`` (ms),
+``small_sum_cpu_us`` (per method, every rank's CPU per small sum) and ``figures``:
+``cpp_vs_python_loop_<topology>`` (python_loop time / cpp time), ``cpp_vs_sum_into`` (sum_into time / cpp
+time, one group; both move ranks + 1 rows, so 1 is the floor's ratio) and ``copy_cpp_vs_torch``, and for
+the small tensors ``small_sum_machine_cpu_us_ps`` and ``_allreduce`` (all ranks' CPU per call, microseconds)
+and ``small_sum_ps_vs_allreduce`` (allreduce's CPU / ps's).
 """
 
 from __future__ import annotations
@@ -148,15 +149,15 @@ def small_sums(ranks: int, calls: int) -> dict[str, list[float]]:
         return json.loads(Path(out).read_text())
 
 
-def figures(ms: dict[str, dict[str, float]]) -> dict[str, float]:
+def figures(ms: dict[str, dict[str, float]], small_us: dict[str, list[float]] | None) -> dict[str, float]:
     figs = {
         f"cpp_vs_python_loop_{topo}": ms[f"reduce_{topo}_ms"]["python_loop"] / ms[f"reduce_{topo}_ms"]["cpp"]
         for topo in ("one_group", "two_groups")
     }
     figs["cpp_vs_sum_into"] = ms["floor_ms"]["sum_into"] / ms["reduce_one_group_ms"]["cpp"]
     figs["copy_cpp_vs_torch"] = ms["copy_in_out_ms"]["torch"] / ms["copy_in_out_ms"]["cpp"]
-    if "small_sum_cpu_us" in ms:
-        per_call = {m: sum(v) for m, v in ms["small_sum_cpu_us"].items()}
+    if small_us is not None:
+        per_call = {m: sum(v) for m, v in small_us.items()}
         figs["small_sum_machine_cpu_us_ps"] = per_call["ps"]
         figs["small_sum_machine_cpu_us_allreduce"] = per_call["allreduce"]
         figs["small_sum_ps_vs_allreduce"] = per_call["allreduce"] / per_call["ps"]
@@ -182,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)  # the old path's copy_ runs on torch's threads
     start = time.perf_counter()
     ms, medians = bench(args.ranks, args.mib, args.rounds, args.shm_dir)
+    small_us = None
     if args.small_calls:
         cpu = small_sums(args.small_ranks, args.small_calls)
-        ms["small_sum_cpu_us"] = {m: [round(v * 1e6, 1) for v in per_rank] for m, per_rank in cpu.items()}
-    figs = figures(ms)
+        small_us = {m: [round(v * 1e6, 1) for v in per_rank] for m, per_rank in cpu.items()}
+    figs = figures(ms, small_us)
     result = {
         "machine": machine_info(
             simd_mode=kernels.simd_mode(),
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "seconds": round(time.perf_counter() - start, 1),
         "measurements": ms,
+        "small_sum_cpu_us": small_us,
         "median_ms": medians,
         "figures": figs,
     }
@@ -207,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'measurement':34s} {'ms':>9s}")
     for group, values in ms.items():
         for name, value in values.items():
-            shown = f"{value:9.3f}" if isinstance(value, float) else " ".join(f"{v:.0f}" for v in value)
-            print(f"{group.removesuffix('_ms') + ': ' + name:34s} {shown}")
+            print(f"{group.removesuffix('_ms') + ': ' + name:34s} {value:9.3f}")
+    for method, per_rank in (small_us or {}).items():
+        print(f"{'small_sum_cpu_us: ' + method:34s} {' '.join(f'{v:.0f}' for v in per_rank)} (per rank)")
     print(f"\n{'figure':34s} {'ratio':>9s}")
     for key, value in figs.items():
         print(f"{key:34s} {value:9.3f}")
