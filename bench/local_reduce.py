@@ -49,6 +49,7 @@ import torch
 from benchlib import best_times, command_line, machine_info, write_json
 
 from tagps import kernels
+from tagps.calibrate import probe_argv
 from tagps.comm.arena import ShmArena
 from tagps.comm.local_reduce import shard_bounds
 
@@ -143,7 +144,7 @@ def small_sums(ranks: int, calls: int) -> dict[str, list[float]]:
         out = os.path.join(tmp, "cpu.json")
         launch = [sys.executable, "-m", "tagps.launcher", "--local", "1", "--local-size", str(ranks)]
         launch += ["--servers", "1"]
-        probe = [sys.executable, "-m", "tagps.calibrate", "--runtime-cpu-probe", out, "--reps", str(calls)]
+        probe = probe_argv(out, calls, "--runtime-cpu-probe")  # what calibration launches
         env = {**os.environ, "TAGPS_NUM_THREADS": "1"}
         subprocess.run([*launch, "--", *probe], check=True, env=env, timeout=600, stdout=subprocess.DEVNULL)
         return json.loads(Path(out).read_text())

@@ -73,6 +73,7 @@ __all__ = [
     "measure_dispatch",
     "measure_runtime_cpu",
     "measure_sum_bandwidth",
+    "probe_argv",
     "profile_step",
 ]
 
@@ -375,7 +376,7 @@ def _run_logged(run: Callable[[Any], int], what: str) -> None:
             raise RuntimeError(f"{what} failed with status {status}:\n{tail}")
 
 
-def _probe_argv(out: str, reps: int, probe: str = "--allreduce-probe") -> list[str]:
+def probe_argv(out: str, reps: int, probe: str = "--allreduce-probe") -> list[str]:
     """The command line of one of this module's worker probes (``probe``: its hidden flag)."""
     return [sys.executable, "-m", "tagps.calibrate", probe, out, "--reps", str(reps)]
 
@@ -393,7 +394,7 @@ def _loopback_allreduces(reps: int) -> tuple[list[CommSample], dict[str, Referen
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
         _run_logged(
-            lambda log: run_processes(local_job(_probe_argv(out, reps), 2, 0, 1), out=log),
+            lambda log: run_processes(local_job(probe_argv(out, reps), 2, 0, 1), out=log),
             "loopback all-reduce probe",
         )
         data = json.loads(Path(out).read_text())
@@ -416,7 +417,7 @@ def _cluster_allreduces(
         out = os.path.join(tmp, "allreduce.json")
         for devices, inter in ((["ca:0", "ca:1"], False), (["ca:0", "cb:0"], True)):
             _run_logged(
-                lambda log, d=devices: cluster.run(_probe_argv(out, reps), devices=d, out=log),
+                lambda log, d=devices: cluster.run(probe_argv(out, reps), devices=d, out=log),
                 f"all-reduce probe on {devices}",
             )
             bandwidth = topology.bandwidth("ca", "cb" if inter else "ca")
@@ -448,7 +449,7 @@ def measure_runtime_cpu(
     per_rank = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runtime-cpu.json")
-        argv = _probe_argv(out, calls, "--runtime-cpu-probe")
+        argv = probe_argv(out, calls, "--runtime-cpu-probe")
         for label, ranks, s in (("3", devices[:3], {}), ("6", devices, servers), ("lone", lone, servers)):
             _run_logged(
                 lambda log, d=ranks, s=s: cluster.run(argv, devices=d, servers=s, out=log),

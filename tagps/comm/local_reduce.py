@@ -69,6 +69,11 @@ ROOT_SUMS_BYTES = 256 << 10
 _ROUNDS = 1 << 32  # the arena's round counters wrap around here
 
 
+def _root_sums_alone(nbytes: int) -> bool:
+    """Whether a tensor of ``nbytes`` takes the small path: the root sums every slot, no shard messages."""
+    return nbytes <= ROOT_SUMS_BYTES
+
+
 class _Malformed(Exception):
     """A message the service drops: unauthenticated, from an unknown sender, or not of the protocol."""
 
@@ -328,7 +333,7 @@ class LocalReducer:
         if tensor.numel() == 0:
             future.set()
             return future
-        if not self._root and tensor.numel() * tensor.element_size() <= ROOT_SUMS_BYTES:
+        if not self._root and _root_sums_alone(tensor.numel() * tensor.element_size()):
             return self._submit_small(name, tensor)
         self._tasks.put((name, tensor, priority, future))
         self._wake()
@@ -462,7 +467,7 @@ class LocalReducer:
         # which tells every participant, as a failure on a socket message does.
         self._waiting[name] = (tensor, future)
         shape = (_dtype_name(tensor.dtype), tensor.numel())
-        if self._root and tensor.numel() * tensor.element_size() <= ROOT_SUMS_BYTES:
+        if self._root and _root_sums_alone(tensor.numel() * tensor.element_size()):
             seq = self._next_round(name)
             self._arenas[name].mark_ready(0, seq)
             self._pending.add(name)
@@ -510,7 +515,7 @@ class LocalReducer:
                 self._check_pending()
         elif kind == b"ready" and len(args) == 3:
             name, shape = _text(args[0]), (_text(args[1]), _number(args[2]))
-            if shape[1] * _itemsize(shape[0]) <= ROOT_SUMS_BYTES:
+            if _root_sums_alone(shape[1] * _itemsize(shape[0])):
                 raise _Malformed(f"{name!r}: a tensor the root sums alone is marked ready in its arena")
             rnd = self._rounds.get(name)
             if rnd is not None and (member in rnd.ready or rnd.reduced):
