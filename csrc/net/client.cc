@@ -34,6 +34,14 @@ void finish_op(PushPull& op, const std::string& error = {}) {
   op.finish(error);
 }
 
+// One notification: 8 bytes, written whole (at most PIPE_BUF) into a non-blocking pipe, so that a writer
+// holding a Completion's lock never waits for the reader; a full pipe (thousands of notifications unread)
+// or a reader that is gone loses it.
+void write_tag(int fd, uint64_t tag) {
+  while (::write(fd, &tag, sizeof tag) < 0 && errno == EINTR) {
+  }
+}
+
 // libzmq is done with a PUSH frame: drop the frame's reference to the buffer's owner.
 void release_frame(void* /*data*/, void* hint) { delete static_cast<std::shared_ptr<void>*>(hint); }
 
@@ -90,8 +98,17 @@ void Completion::finish(const std::string& error) {
     done_ = true;
     error_ = error;
     finished_at_ = now_s();
+    // Under the lock, so that once notify(-1, ...) returns no write reaches the fd it replaced.
+    if (notify_fd_ >= 0) write_tag(notify_fd_, notify_tag_);
   }
   cv_.notify_all();
+}
+
+void Completion::notify(int fd, uint64_t tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  notify_fd_ = fd;
+  notify_tag_ = tag;
+  if (done_ && fd >= 0) write_tag(fd, tag);
 }
 
 // -- ClientEngine ---------------------------------------------------------------------------------------

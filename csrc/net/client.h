@@ -38,6 +38,10 @@ class Completion {
   double finished_at() const;
   // Marks it finished (failed when `error` is non-empty); later calls change nothing.
   void finish(const std::string& error = {});
+  // Once finished (at once if it already is), writes the 8 bytes of `tag` into the non-blocking pipe `fd`
+  // from the thread that finishes it: a service thread polling `fd` learns of it without a thread of its
+  // own blocked in wait(). The last call counts; `fd` -1 cancels, and no write reaches the old fd after.
+  void notify(int fd, uint64_t tag);
 
  private:
   mutable std::mutex mu_;
@@ -45,6 +49,8 @@ class Completion {
   bool done_ = false;
   std::string error_;
   double finished_at_ = 0;
+  int notify_fd_ = -1;
+  uint64_t notify_tag_ = 0;
 };
 
 // A chunk of a declared tensor: bytes [offset, offset + nbytes) of its buffer go to `server` as `key`.

@@ -88,6 +88,8 @@ A push_pull queued on a PSClientEngine (tagps.ps.client.Handle wraps it).
           py::arg("timeout") = py::none(),
           R"pbdoc(Block (without the GIL) until done or timeout seconds passed; return whether done.)pbdoc")
       .def("done", &PushPull::done, R"pbdoc(Whether it finished, successfully or not.)pbdoc")
+      .def("notify", &PushPull::notify, py::arg("fd"), py::arg("tag"),
+           R"pbdoc(Once finished (at once if it is), write the 8 bytes of tag (native order) into fd.)pbdoc")
       .def_property_readonly(
           "error", [](const PushPull& op) { return text_or_none(op.error()); },
           R"pbdoc(The failure reason, or None.)pbdoc")

@@ -7,6 +7,9 @@ instead of blocking until ``TAGPS_DIST_TIMEOUT``.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -16,6 +19,7 @@ import torch
 __all__ = [
     "CompletedWork",
     "Handle",
+    "NotifyingWaitable",
     "PeerFailed",
     "Waitable",
     "clear_failure",
@@ -23,6 +27,7 @@ __all__ = [
     "raise_if_failed",
     "report_failure",
     "wait_work",
+    "write_tag",
 ]
 
 # How often a blocked wait looks at the failure flag: short enough to raise promptly, long enough to cost
@@ -101,6 +106,20 @@ class Waitable(Protocol):
     def wait(self) -> object: ...
 
 
+class NotifyingWaitable(Waitable, Protocol):
+    """A :class:`Waitable` that can tell a polling thread it completed: once it has (at once if it has), it
+    writes the 8 bytes of ``tag`` (native byte order) into the non-blocking pipe ``fd``. The last call
+    counts; ``fd`` -1 cancels, and no write reaches the earlier fd after that call returns."""
+
+    def notify(self, fd: int, tag: int) -> None: ...
+
+
+def write_tag(fd: int, tag: int) -> None:
+    """One :meth:`NotifyingWaitable.notify` notification (a full pipe or a closed reader loses it)."""
+    with contextlib.suppress(OSError):
+        os.write(fd, tag.to_bytes(8, sys.byteorder))
+
+
 class Handle:
     """A started synchronisation of one tensor.
 
@@ -155,3 +174,7 @@ class CompletedWork:
 
     def wait(self) -> None:
         return None
+
+    def notify(self, fd: int, tag: int) -> None:
+        if fd >= 0:
+            write_tag(fd, tag)

@@ -36,13 +36,14 @@ of each unfinished round (and fails the arenas of small tensors, which wakes the
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hmac
+import itertools
 import logging
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -56,7 +57,7 @@ import zmq
 
 from tagps.comm.arena import ALL_READY, DONE, FAILED, NOT_READY, ShmArena
 from tagps.comm.collectives import run_blocking
-from tagps.comm.handle import WAIT_SLICE_S, CompletedWork, Waitable, raise_if_failed
+from tagps.comm.handle import WAIT_SLICE_S, CompletedWork, NotifyingWaitable, Waitable, raise_if_failed
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
 
@@ -176,8 +177,8 @@ class _RootRound:
     reduced: set[int] = field(default_factory=set)
     shape: tuple[str, int] | None = None
     priority: int = 0
-    cross: Waitable | None = None
-    crossed: concurrent.futures.Future[None] | None = None  # a waiter thread's wait for ``cross``
+    cross: NotifyingWaitable | None = None  # its push and pull, once the local sum is done
+    crossing_since: float = 0.0  # time.monotonic() when they started
     seq: int | None = None  # a tensor the root sums alone: the arena round it publishes when done
 
 
@@ -222,7 +223,8 @@ class LocalReducer:
         local_rank: this process's local rank.
         machine: this process's machine id (``DMLC_WORKER_ID``).
         cross: on the root, called with ``(name, result, priority)`` after the local sum; returns a work
-            whose completion means ``result`` holds the sum over every machine. ``None``: one machine.
+            whose completion means ``result`` holds the sum over every machine, and which notifies the
+            service thread of it (:class:`~tagps.comm.handle.NotifyingWaitable`). ``None``: one machine.
         timeout: seconds a reduction may take before ``wait()`` raises.
         shm_dir: where the arenas live (``/dev/shm``).
     """
@@ -233,7 +235,7 @@ class LocalReducer:
         groups: Sequence[Sequence[int]],
         local_rank: int,
         machine: int,
-        cross: Callable[[str, torch.Tensor, int], Waitable] | None,
+        cross: Callable[[str, torch.Tensor, int], NotifyingWaitable] | None,
         timeout: float,
         shm_dir: str = "/dev/shm",
     ) -> None:
@@ -249,7 +251,6 @@ class LocalReducer:
             [self._index[r] for r in sorted(g, key=lambda r: r != root_rank)] for g in ordered if g
         ]
         self._cross = cross
-        self._waiters: concurrent.futures.ThreadPoolExecutor | None = None  # made by the first cross round
         self._timeout = timeout
         self._ctx = zmq.Context.instance()
         endpoint = None
@@ -282,7 +283,12 @@ class LocalReducer:
         self._arenas: dict[str, ShmArena] = {}
         self._waiting: dict[str, tuple[torch.Tensor, ReductionFuture]] = {}
         self._rounds: dict[str, _RootRound] = {}
-        self._done_crossing: queue.SimpleQueue[str] = queue.SimpleQueue()  # root: pushed and pulled rounds
+        # Root: the rounds whose push and pull are in flight, by the tag each writes into the notification
+        # pipe when it ends (NotifyingWaitable), which the service thread polls beside its sockets.
+        self._crossing: dict[int, str] = {}
+        self._tags = itertools.count()
+        self._notify_r = self._notify_w = -1
+        self._next_check = 0.0  # when the service next looks for crossing rounds past their deadline
         self._seq: dict[str, int] = {}  # the last round of each tensor the root sums alone
         self._pending: set[str] = set()  # root: such tensors whose round not every participant marked ready
         self._small: dict[str, _SmallRound] = {}  # other participants: such rounds waited for
@@ -309,6 +315,8 @@ class LocalReducer:
         self._wake_push = self._ctx.socket(zmq.PUSH)
         self._wake_push.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
+        if self._root and cross is not None:
+            self._notify_r, self._notify_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._serve, name="tagps-local-reduce", daemon=True)
         self._thread.start()
 
@@ -371,8 +379,12 @@ class LocalReducer:
         self._tasks.put(None)
         self._wake()
         self._thread.join(timeout=10)
-        if self._waiters is not None:
-            self._waiters.shutdown(wait=False, cancel_futures=True)
+        for name in list(self._crossing.values()):  # no notification may reach the pipe's fds once reused
+            self._rounds[name].cross.notify(-1, 0)  # type: ignore[union-attr]  # set while crossing
+        for fd in (self._notify_r, self._notify_w):
+            if fd >= 0:
+                os.close(fd)
+        self._notify_r = self._notify_w = -1
         if self._root:
             for arena in self._arenas.values():
                 arena.unlink()
@@ -389,20 +401,18 @@ class LocalReducer:
         with self._wake_lock:
             self._wake_push.send(b"")
 
-    def _crossed(self, name: str) -> None:
-        self._done_crossing.put(name)
-        with contextlib.suppress(zmq.ZMQError):  # a wait that ends after close(): nothing to wake
-            self._wake()
-
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)
         if self._root and self._bell >= 0:
             poller.register(self._bell, zmq.POLLIN)
+        if self._notify_r >= 0:
+            poller.register(self._notify_r, zmq.POLLIN)
         try:
             while True:
-                events = dict(poller.poll(1000))
+                # While pushes and pulls are in flight, wake in WAIT_SLICE_S slices to look for a dead peer.
+                events = dict(poller.poll(WAIT_SLICE_S * 1000 if self._crossing else 1000))
                 # One message per socket and poll: draining with ``while sock.poll(0)`` (pyzmq builds a
                 # Poller per call) or with non-blocking receives until zmq.Again (an exception per drain)
                 # cost the service thread more CPU than the next poll does.
@@ -422,8 +432,10 @@ class LocalReducer:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._bell, 1 << 16)
                     self._check_pending()
-                if self._root:
-                    self._check_cross()
+                if self._notify_r >= 0 and self._notify_r in events:
+                    self._on_crossed()
+                if self._crossing:
+                    self._check_crossing()
         except BaseException as exc:  # every pending wait() must see it instead of timing out
             self._error = exc
             log.exception("the local reduction service failed")
@@ -585,20 +597,35 @@ class LocalReducer:
             self._finish(name)
         else:
             rnd.cross = self._cross(name, self._arenas[name].result, rnd.priority)
-            # A waiter thread blocks on the push and pull (the GIL released) and wakes the service thread
-            # when it ends: polling for it every millisecond took a quota'd machine's CPU from training.
-            if self._waiters is None:
-                self._waiters = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="tagps-cross")
-            rnd.crossed = self._waiters.submit(rnd.cross.wait)
-            rnd.crossed.add_done_callback(lambda _, n=name: self._crossed(n))
+            rnd.crossing_since = time.monotonic()
+            tag = next(self._tags)
+            self._crossing[tag] = name
+            # The push and pull write the tag into the pipe when they end: no thread of ours waits for
+            # them (a waiter thread per round cost the root 70-77 us of CPU per call on a quota'd core).
+            rnd.cross.notify(self._notify_w, tag)
 
-    def _check_cross(self) -> None:
-        # The rounds whose push and pull ended, as their waiters report them, rather than a look at every
-        # round in flight on each pass of the loop (work that grew with the rounds in flight).
-        while not self._done_crossing.empty():
-            name = self._done_crossing.get()
-            self._rounds[name].crossed.result()  # type: ignore[union-attr]  # its error fails the service
-            self._finish(name)
+    def _on_crossed(self) -> None:
+        """Finish the rounds whose push and pull ended, as their tags in the notification pipe say."""
+        with contextlib.suppress(BlockingIOError):
+            data = os.read(self._notify_r, 8 * max(1, len(self._crossing)))
+            for i in range(0, len(data) - 7, 8):
+                name = self._crossing.pop(int.from_bytes(data[i : i + 8], sys.byteorder))
+                self._rounds[name].cross.wait()  # type: ignore[union-attr]  # done: raises its failure
+                self._finish(name)
+
+    def _check_crossing(self) -> None:
+        """Every WAIT_SLICE_S while pushes and pulls are in flight: raise a peer's reported failure, or a
+        push and pull past the timeout, which fails the service and every wait."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + WAIT_SLICE_S
+        raise_if_failed()
+        for name in self._crossing.values():
+            if now - self._rounds[name].crossing_since > self._timeout:
+                raise RuntimeError(
+                    f"push_pull of {name!r} did not finish within {self._timeout:.0f} s (TAGPS_DIST_TIMEOUT)"
+                )
 
     def _finish(self, name: str) -> None:
         rnd = self._rounds.pop(name)

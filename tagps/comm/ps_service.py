@@ -41,7 +41,8 @@ _WIRE_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.floa
 
 
 class _ClientWork:
-    """A push-pull handle of :class:`tagps.ps.client.PSClient` as a :class:`Waitable`.
+    """A push-pull handle of :class:`tagps.ps.client.PSClient` as a
+    :class:`~tagps.comm.handle.NotifyingWaitable`.
 
     ``wait()`` raises :class:`~tagps.comm.handle.PeerFailed` as soon as a peer is known dead, and a
     ``RuntimeError`` after ``timeout`` seconds, as the local reduction's futures do.
@@ -55,6 +56,9 @@ class _ClientWork:
 
     def is_completed(self) -> bool:
         return bool(self._client.poll(self._handle))
+
+    def notify(self, fd: int, tag: int) -> None:
+        self._handle.notify(fd, tag)
 
     def wait(self) -> None:
         deadline = time.monotonic() + self._timeout
@@ -172,7 +176,7 @@ class _Summation:
         if not self._member:
             raise ValueError(f"rank {self._cfg.rank} does not take part in {self!r}")
 
-    def _cross(self, name: str, summed: torch.Tensor, priority: int) -> Waitable:
+    def _cross(self, name: str, summed: torch.Tensor, priority: int) -> _ClientWork:
         # The PS client sends lower priority values first; ours follow BytePS (higher first).
         handle = self._client.push_pull(
             self._prefix + name, summed.numpy(), average=False, priority=-priority

@@ -45,6 +45,7 @@ import zmq
 
 from tagps import _core
 from tagps.atomic import write_text_atomic
+from tagps.comm.handle import write_tag
 from tagps.config import PSConfig, ps_config
 from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
 from tagps.ps.protocol import (
@@ -133,6 +134,8 @@ class Handle:
         "_client",
         "_done",
         "_native",
+        "_notify",
+        "_notify_lock",
         "average",
         "buffer",
         "error",
@@ -155,10 +158,30 @@ class Handle:
         self.error: str | None = None
         self._done = threading.Event()
         self._native: Any = None  # the engine's PushPullOp (TAGPS_PS_ENGINE=cpp)
+        self._notify = (-1, 0)  # (fd, tag) of notify(), without the engine
+        self._notify_lock = threading.Lock()
 
     def __repr__(self) -> str:
         state = "done" if self._is_done() else "pending"
         return f"Handle({self.name!r}, {'failed' if self.error else state})"
+
+    def notify(self, fd: int, tag: int) -> None:
+        """Once finished (at once if it is), write the 8 bytes of ``tag`` into the non-blocking pipe ``fd``
+        (:class:`~tagps.comm.handle.NotifyingWaitable`); ``fd`` -1 cancels."""
+        if self._native is not None:
+            self._native.notify(fd, tag)
+            return
+        with self._notify_lock:
+            self._notify = (fd, tag)
+            if fd >= 0 and self._done.is_set():
+                write_tag(fd, tag)
+
+    def _set_done(self) -> None:
+        """Finish it (without the engine): wake its waits and write its notification."""
+        with self._notify_lock:  # so that no write reaches an fd after notify(-1, ...) returned
+            self._done.set()
+            if self._notify[0] >= 0:
+                write_tag(*self._notify)
 
     def _is_done(self) -> bool:
         """Whether it finished; copies the engine's failure reason into ``error``."""
@@ -383,7 +406,7 @@ class PSClient:
         tensor.calls += 1
         tensor.active = handle
         if not tensor.chunks:
-            handle._done.set()
+            handle._set_done()
         elif self._engine is not None:
             handle._native = self._engine.push_pull(tensor.index, handle.buffer, average, handle.priority)
             if self._trace is not None and self._traced_step(handle.step):
@@ -720,7 +743,7 @@ class PSClient:
         chunk.round += 1
         handle.remaining -= 1
         if handle.remaining == 0:
-            handle._done.set()
+            handle._set_done()
             if self._trace is not None and self._traced_step(handle.step):
                 self._trace.append(
                     self._trace_event(
@@ -762,10 +785,10 @@ class PSClient:
             self._engine.fail(reason)
         for handle, _ in self._in_flight.values():
             handle.error = reason
-            handle._done.set()
+            handle._set_done()
         for _, _, handle, _ in self._queue:
             handle.error = reason
-            handle._done.set()
+            handle._set_done()
         for event, _ in self._inits.values():
             event.set()
         for event in (self._barrier_event, self._shutdown_event):
@@ -781,7 +804,7 @@ class PSClient:
                 item.set()
             if isinstance(item, Handle):
                 item.error = reason
-                item._done.set()
+                item._set_done()
 
     def _traced_step(self, step: int) -> bool:
         return self.config.trace_start_step <= step <= self.config.trace_end_step

@@ -8,6 +8,7 @@ import re
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 import zmq
 
 from tagps.comm.arena import ShmArena
-from tagps.comm.handle import CompletedWork
+from tagps.comm.handle import CompletedWork, write_tag
 from tagps.comm.local_reduce import ROOT_SUMS_BYTES, LocalReducer
 from tagps.launcher import free_ports
 
@@ -269,3 +270,79 @@ def test_a_single_participant_hands_its_tensor_to_cross_in_place(tmp_path: Path)
     shm = tmp_path / "shm"
     shm.mkdir()
     mp.spawn(_alone, args=(str(tmp_path / "init"), str(shm)), nprocs=2, join=True)
+
+
+class _LaterWork:
+    """A push and pull that end on a timer thread: the sum doubled (an identical remote machine), a failure,
+    or never; it notifies as :class:`~tagps.comm.handle.NotifyingWaitable` says."""
+
+    def __init__(self, tensor: torch.Tensor, mode: str) -> None:
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._notify = (-1, 0)
+        if mode != "never":
+            threading.Timer(0.05, self._end, args=(tensor, mode)).start()
+
+    def _end(self, tensor: torch.Tensor, mode: str) -> None:
+        if mode == "ok":
+            tensor.mul_(2)
+        else:
+            self.error = "the server rejected it"
+        with self._lock:
+            self._done.set()
+            if self._notify[0] >= 0:
+                write_tag(*self._notify)
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+    def notify(self, fd: int, tag: int) -> None:
+        with self._lock:
+            self._notify = (fd, tag)
+            if fd >= 0 and self._done.is_set():
+                write_tag(fd, tag)
+
+
+def _crossing(rank: int, init: str, shm_dir: str, mode: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    cross = lambda name, tensor, priority: _LaterWork(tensor, mode)  # noqa: E731
+    timeout = 1.0 if mode == "never" else 30.0
+    reducer = LocalReducer([0, 1], [[0, 1]], rank, 0, cross=cross, timeout=timeout, shm_dir=shm_dir)
+    try:
+        # A small tensor (the root sums it alone) and a big one (shards), both in flight at once.
+        sizes = {"small": 1000, "big": ROOT_SUMS_BYTES // 4 + 1}
+        for rnd in range(3 if mode == "ok" else 1):
+            tensors = {n: torch.full((k,), float(10 * rnd + rank + 1)) for n, k in sizes.items()}
+            works = {n: reducer.submit(n, t) for n, t in tensors.items()}
+            if mode == "ok":
+                for n, work in works.items():
+                    work.wait()
+                    assert torch.equal(tensors[n], torch.full((sizes[n],), 2.0 * (20 * rnd + 3))), (rank, n)
+                continue
+            for work in works.values():
+                with pytest.raises(RuntimeError, match="rejected" if mode == "fail" else "did not finish"):
+                    work.wait()
+        if rank == 0:
+            # No thread of the reducer's waits for a push and pull: their ends reach it through the pipe.
+            assert not [t.name for t in threading.enumerate() if "cross" in t.name]
+            if mode == "never":  # the service itself gives up on the push and pull at the timeout
+                deadline = time.monotonic() + 2
+                while reducer._error is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert "push_pull of" in str(reducer._error) and "did not finish" in str(reducer._error)
+        dist.barrier()
+    finally:
+        reducer.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["ok", "fail", "never"])
+def test_the_root_learns_that_a_push_and_pull_ended_from_its_notification(tmp_path: Path, mode: str) -> None:
+    mp.spawn(_crossing, args=(str(tmp_path / "init"), str(tmp_path), mode), nprocs=2, join=True)

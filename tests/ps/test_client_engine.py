@@ -1,5 +1,6 @@
-"""What the client's data-plane engines (TAGPS_PS_ENGINE) promise beyond the sums: they mix in one job,
-waits leave the GIL to other threads, and pushed buffers are released once the engine is done with them."""
+"""What the client's data-plane engines (TAGPS_PS_ENGINE) promise beyond the sums: they mix in one job and
+both notify a pipe of each push_pull's end, waits leave the GIL to other threads, and pushed buffers are
+released once the engine is done with them."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import pytest
 from tagps.ps import PSClient
 
 MIXED = """
-import os, sys
+import os, select, sys, time
 import numpy as np
 from tagps.ps import PSClient
 
 client = PSClient.from_env()
+pipe_r, pipe_w = os.pipe2(os.O_NONBLOCK)
 w = client.worker_id
 assert client.config.engine == os.environ["TAGPS_PS_ENGINE"]
 names = {"a": 7, "b": 40000, "c": 1}   # elements; b spans several 64 KiB partitions
@@ -32,8 +34,17 @@ for rnd in range(3):
     if w < 2:
         bufs["sub"] = np.full(1023, w + rnd, np.float32)
     handles = [(name, client.push_pull(name, buf, priority=-i)) for i, (name, buf) in enumerate(bufs.items())]
+    for i, (name, handle) in enumerate(handles):  # each tells the pipe it ended (NotifyingWaitable)
+        handle.notify(pipe_w, 100 * rnd + i)
     for name, handle in handles:
         client.wait(handle, timeout=60)
+    tags, deadline = b"", time.monotonic() + 10
+    while len(tags) < 8 * len(handles) and time.monotonic() < deadline:
+        select.select([pipe_r], [], [], 1)
+        tags += os.read(pipe_r, 4096) if select.select([pipe_r], [], [], 0)[0] else b""
+    got = sorted(int.from_bytes(tags[i : i + 8], sys.byteorder) for i in range(0, len(tags), 8))
+    if got != [100 * rnd + i for i in range(len(handles))]:
+        sys.exit(f"round {rnd}: notified {got}")
     for name, n in names.items():
         expected = sum((np.arange(n) % 89 + 100 * k + rnd).astype(np.float64) for k in range(3)) / 3
         if not np.allclose(bufs[name], expected, rtol=1e-6):
