@@ -56,6 +56,12 @@ def command_line() -> str:
     return shlex.join([Path(sys.executable).name, *sys.argv])
 
 
+def repo_relative(path: Path) -> str:
+    """``path`` as recorded commands name it: relative to the repository root when inside it."""
+    root, full = Path(__file__).resolve().parent.parent, path.resolve()
+    return str(full.relative_to(root)) if full.is_relative_to(root) else str(path)
+
+
 def write_json(path: Path, payload: dict[str, Any], indent: int = 2) -> None:
     """Write ``payload`` to ``path`` as JSON with a final newline, making the folder if needed."""
     path.parent.mkdir(parents=True, exist_ok=True)

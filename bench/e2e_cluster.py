@@ -74,7 +74,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchlib import PROFILE_PROCESSES, machine_info, write_json
+from benchlib import PROFILE_PROCESSES, machine_info, repo_relative, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_CLUSTER = {
@@ -105,12 +105,6 @@ STRATEGIES = {
     "DP proportional": "tagps",
     "PS": "tagps",
 }
-
-
-def _shown(path: Path) -> str:
-    """``path`` as the recorded commands name it: relative to the repository root when inside it."""
-    full = path.resolve()
-    return str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(path)
 
 
 def _machine() -> dict[str, Any]:
@@ -396,12 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Written beside the plans (TAGPS_CACHE_DIR=<plans>: bench/repredict.py finds them there).
     profiled = (*CALIBRATION_MODELS, *MODELS.values())
     print(f"profiling {', '.join(profiled)} on this host ...", flush=True)
-    commands = [f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.cli profile --model {m} "
+    cache = repo_relative(plans_dir)
+    commands = [f"TAGPS_CACHE_DIR={cache} {sys.executable} -m tagps.cli profile --model {m} "
                 f"--processes {PROFILE_PROCESSES}"
                 for m in profiled]  # fmt: skip
     start_profiles = _profile(profiled, plans_dir)
     os.environ["TAGPS_CACHE_DIR"] = str(plans_dir)
-    commands.append(f"TAGPS_CACHE_DIR={_shown(plans_dir)} {sys.executable} -m tagps.calibrate"
+    commands.append(f"TAGPS_CACHE_DIR={cache} {sys.executable} -m tagps.calibrate"
                     f"{' --quick' if args.quick else ''}")  # fmt: skip
     print("calibrating the simulator on this host ...", flush=True)
     stages = calibrate_stages(quick=args.quick, log=lambda line: print("  " + line, flush=True))
@@ -433,11 +428,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, runtime in strategies.items():
                 path = plans_dir / f"{key}-{name.lower().replace(' ', '-')}.json"
                 plans[key][name].save(path)
-                plan_file = _shown(path)
+                plan_file = repo_relative(path)
                 worker = [sys.executable, "-m", "tagps.cluster.worker", "--model", model, "--plan", plan_file,
                           "--runtime", runtime, "--steps", str(steps), "--warmup", "3"]  # fmt: skip
                 # --plan: the plan's devices and servers, not every device of the spec
-                job = f"tagps cluster run --plan {plan_file} {_shown(spec_file)} -- {shlex.join(worker)}"
+                spec_shown = repo_relative(spec_file)
+                job = f"tagps cluster run --plan {plan_file} {spec_shown} -- {shlex.join(worker)}"
                 job_commands[(key, name)] = job
                 commands.append(job_commands[(key, name)])
         best: dict[tuple[str, str], dict[str, Any]] = {}
@@ -539,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         inputs = [
             {
                 "round": rnd,
-                "profiles": _shown(plans_dir / f"round-{rnd}" / "profiles"),
+                "profiles": repo_relative(plans_dir / f"round-{rnd}" / "profiles"),
                 **_inputs_read(topo, round_profiles),
                 "topology": topo.to_dict(),
             }
@@ -547,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         start_inputs = _inputs_read(executor.topology, {m: start_profiles[m] for m in MODELS.values()})
         median_inputs = {
-            "profiles": _shown(plans_dir / "median" / "profiles"),
+            "profiles": repo_relative(plans_dir / "median" / "profiles"),
             **_inputs_read(median_topology, median_profiles),
             "topology": median_topology.to_dict(),
         }
@@ -558,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
         "quick": args.quick,
         "cluster": spec.to_dict(),
-        "cluster_file": _shown(spec_file),
+        "cluster_file": repo_relative(spec_file),
         "topology_measured": topology,
         "start_inputs": start_inputs,
         "round_inputs": inputs,

@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchlib import command_line, machine_info, repo_relative, write_json
+
 REPO = Path(__file__).resolve().parent.parent
 SPEC = {
     "name": "pscall",
@@ -113,10 +115,6 @@ def _calibration(path: Path) -> Any:
     return Calibration.from_dict(data.get("calibration", data))
 
 
-def _shown(path: Path) -> str:
-    return str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else str(path)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -134,9 +132,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         out, model, which, steps = args.worker
         _worker(out, model, which, int(steps))
         return 0
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchlib import command_line, machine_info, write_json
 
     from tagps.cluster import ClusterError, check_support
     from tagps.cluster.run import up
@@ -199,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": args.model,
             "steps": args.steps,
             "compute_per_step_s": COMPUTE_PER_STEP_S,
-            "calibration": _shown(args.calibration),
+            "calibration": repo_relative(args.calibration),
             "readings": readings,
             "figures": figures,
         },
