@@ -7,14 +7,13 @@ instead of blocking until ``TAGPS_DIST_TIMEOUT``.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from tagps.tag_pipe import write_tag
 
 __all__ = [
     "CompletedWork",
@@ -27,7 +26,6 @@ __all__ = [
     "raise_if_failed",
     "report_failure",
     "wait_work",
-    "write_tag",
 ]
 
 # How often a blocked wait looks at the failure flag: short enough to raise promptly, long enough to cost
@@ -108,16 +106,10 @@ class Waitable(Protocol):
 
 class NotifyingWaitable(Waitable, Protocol):
     """A :class:`Waitable` that can tell a polling thread it completed: once it has (at once if it has), it
-    writes the 8 bytes of ``tag`` (native byte order) into the non-blocking pipe ``fd``. The last call
+    writes ``tag`` into the non-blocking pipe ``fd`` (:mod:`tagps.tag_pipe`). The last call
     counts; ``fd`` -1 cancels, and no write reaches the earlier fd after that call returns."""
 
     def notify(self, fd: int, tag: int) -> None: ...
-
-
-def write_tag(fd: int, tag: int) -> None:
-    """One :meth:`NotifyingWaitable.notify` notification (a full pipe or a closed reader loses it)."""
-    with contextlib.suppress(OSError):
-        os.write(fd, tag.to_bytes(8, sys.byteorder))
 
 
 class Handle:

@@ -43,7 +43,6 @@ import logging
 import os
 import queue
 import secrets
-import sys
 import threading
 import time
 import uuid
@@ -58,6 +57,7 @@ import zmq
 from tagps.comm.arena import ALL_READY, DONE, FAILED, NOT_READY, ShmArena
 from tagps.comm.collectives import run_blocking
 from tagps.comm.handle import WAIT_SLICE_S, CompletedWork, NotifyingWaitable, Waitable, raise_if_failed
+from tagps.tag_pipe import open_tag_pipe, read_tags
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
 
@@ -316,7 +316,7 @@ class LocalReducer:
         self._wake_push.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
         if self._root and cross is not None:
-            self._notify_r, self._notify_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self._notify_r, self._notify_w = open_tag_pipe()
         self._thread = threading.Thread(target=self._serve, name="tagps-local-reduce", daemon=True)
         self._thread.start()
 
@@ -606,12 +606,10 @@ class LocalReducer:
 
     def _on_crossed(self) -> None:
         """Finish the rounds whose push and pull ended, as their tags in the notification pipe say."""
-        with contextlib.suppress(BlockingIOError):
-            data = os.read(self._notify_r, 8 * max(1, len(self._crossing)))
-            for i in range(0, len(data) - 7, 8):
-                name = self._crossing.pop(int.from_bytes(data[i : i + 8], sys.byteorder))
-                self._rounds[name].cross.wait()  # type: ignore[union-attr]  # done: raises its failure
-                self._finish(name)
+        for tag in read_tags(self._notify_r, len(self._crossing)):
+            name = self._crossing.pop(tag)
+            self._rounds[name].cross.wait()  # type: ignore[union-attr]  # done: raises its failure
+            self._finish(name)
 
     def _check_crossing(self) -> None:
         """Every WAIT_SLICE_S while pushes and pulls are in flight: raise a peer's reported failure, or a

@@ -45,7 +45,6 @@ import zmq
 
 from tagps import _core
 from tagps.atomic import write_text_atomic
-from tagps.comm.handle import write_tag
 from tagps.config import PSConfig, ps_config
 from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
 from tagps.ps.protocol import (
@@ -63,6 +62,7 @@ from tagps.ps.protocol import (
     unpack_header,
 )
 from tagps.ps.transport import Security, keep_freed_buffers, resolve_host
+from tagps.tag_pipe import write_tag
 
 __all__ = ["Handle", "PSClient", "key_to_server"]
 

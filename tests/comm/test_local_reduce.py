@@ -19,9 +19,10 @@ import torch.multiprocessing as mp
 import zmq
 
 from tagps.comm.arena import ShmArena
-from tagps.comm.handle import CompletedWork, write_tag
+from tagps.comm.handle import CompletedWork
 from tagps.comm.local_reduce import ROOT_SUMS_BYTES, LocalReducer
 from tagps.launcher import free_ports
+from tagps.tag_pipe import write_tag
 
 REPO = Path(__file__).resolve().parents[2]
 WRONG = secrets.token_bytes(16)

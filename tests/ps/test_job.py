@@ -290,3 +290,14 @@ def test_killed_server_or_scheduler_fails_the_workers_naming_it(ps_job, victim: 
             report = json.loads(result.stdout.strip().splitlines()[-1])
             assert re.search(message.format(pid=process.pid), report["error"]), report
             assert report["elapsed"] < 2 + 2.0
+
+
+@pytest.mark.parametrize("role", ["scheduler", "server"])
+def test_a_service_starts_without_torch(role: str) -> None:
+    # Importing torch costs a scheduler or server a second to start and another to exit, which every
+    # failure of a job waits on (a server's import of the PS client pulled it in once).
+    import subprocess
+
+    code = f"import sys, tagps.{role}; print(sorted(m for m in ('torch', 'tagps.comm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
