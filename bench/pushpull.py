@@ -27,6 +27,10 @@ Two set-ups, each compared within the same run:
   64 MiB: ``pushpull_vs_allreduce_4w_4s_1gbit`` = gloo all_reduce time among the 4 workers ÷ push_pull time
   (theory 1.5), ``pushpull_vs_optimal_4w_4s_1gbit`` = the BytePS optimum ``M / B`` ÷ push_pull time.
   ``B`` is the tc rate, which counts packet headers too, so goodput tops out near 0.95 ``B`` at 1500 MTU.
+  The strongest simple alternative on those links is plain TCP: ``plain_tcp_s`` moves each worker's bytes
+  to the servers and back (no sums) through sockets, in the ideal schedule of phases where every link
+  carries one flow each way (``pushpull_worker.py tcp-*``); ``pushpull_vs_plain_tcp_4w_4s_1gbit`` is its
+  time over push_pull's, ``plain_tcp_vs_optimal_4w_4s_1gbit`` what the links and this host's kernel allow.
 
 ``server_sum_GBps``: the summation rate inside the server engine, measured by the server of the loopback
 job over TCP (1 server) itself (``python -m tagps.server --stats``): gradient bytes folded into sums (both
@@ -83,6 +87,8 @@ TARGETS = {
     "pushpull_ipc_vs_tcp_64MiB_2w2s": None,
     "pushpull_vs_allreduce_4w_4s_1gbit": 1.3,
     "pushpull_vs_optimal_4w_4s_1gbit": 0.92,
+    "pushpull_vs_plain_tcp_4w_4s_1gbit": None,
+    "plain_tcp_vs_optimal_4w_4s_1gbit": None,
     "server_sum_GBps": None,
     "sum_into_GBps": None,
     "server_sum_vs_sum_into": 0.8,
@@ -219,16 +225,21 @@ class Bench:
             t_ps = self.job(self._ps_specs(net, ps_argv), f"{tmp}/emu-ps", 4)[EMULATED_SIZE]
             gloo_argv = self.worker_argv("gloo", f"{tmp}/emu-gloo", [EMULATED_SIZE], iters)
             t_gloo = self.job(self._gloo_specs(net, gloo_argv), f"{tmp}/emu-gloo", 4)[EMULATED_SIZE]
+            tcp_specs = self._tcp_specs(net, f"{tmp}/emu-tcp", iters[0])
+            t_tcp = self.job(tcp_specs, f"{tmp}/emu-tcp", 4)[EMULATED_SIZE]
         optimum = EMULATED_SIZE / (LINK_MBIT * 1e6 / 8)
         self.measurements["emulated"] = {
             "pushpull_s": t_ps,
             "gloo_allreduce_s": t_gloo,
+            "plain_tcp_s": t_tcp,
             "bytesps_optimum_s": optimum,
             "ring_optimum_s": 1.5 * optimum,
         }
         return {
             "pushpull_vs_allreduce_4w_4s_1gbit": t_gloo / t_ps,
             "pushpull_vs_optimal_4w_4s_1gbit": optimum / t_ps,
+            "pushpull_vs_plain_tcp_4w_4s_1gbit": t_tcp / t_ps,
+            "plain_tcp_vs_optimal_4w_4s_1gbit": optimum / t_tcp,
         }
 
     def _in_netns(self, net: Network, node: str, spec: ProcessSpec, label: str, service: bool) -> ProcessSpec:
@@ -286,6 +297,21 @@ class Bench:
             }
             (spec,) = role_job(argv, env)
             specs.append(self._in_netns(net, f"w{i}", spec, f"worker {i}", service=False))
+        return specs
+
+    def _tcp_specs(self, net: Network, out: str, iters: int) -> list[ProcessSpec]:
+        """The push_pull's bytes through plain sockets on the same links (pushpull_worker's ``tcp-*``)."""
+        share, port = EMULATED_SIZE // 4, 9100
+        hosts = ",".join(net.address(f"s{i}") for i in range(4))
+        specs = []
+        for i in range(4):
+            argv = ("tcp-server", net.address(f"s{i}"), str(port), "4", str(share), str(iters))
+            spec = ProcessSpec(f"tcp server {i}", (sys.executable, str(WORKER), *argv), self.env)
+            specs.append(self._in_netns(net, f"s{i}", spec, spec.label, service=True))
+        for i in range(4):
+            argv = ("tcp-worker", out, str(i), hosts, str(port), str(EMULATED_SIZE), str(iters))
+            spec = ProcessSpec(f"tcp worker {i}", (sys.executable, str(WORKER), *argv), self.env)
+            specs.append(self._in_netns(net, f"w{i}", spec, spec.label, service=False))
         return specs
 
     # -- summation ----------------------------------------------------------------------------------

@@ -5,18 +5,27 @@ Modes:
     gloo OUT SIZES ITERS    a worker: torch.distributed (gloo) all_reduce among the same workers
     zmq-sink PORT BYTES MSG raw pyzmq loopback throughput: receive BYTES in MSG-byte messages
     zmq-source PORT BYTES MSG  the sending side of ``zmq-sink``
+    tcp-server HOST PORT WORKERS BYTES ITERS      plain TCP: exchange BYTES with each worker
+    tcp-worker OUT ID HOSTS PORT BYTES ITERS      the worker side: the PS job's bytes, scheduled ideally
 
 ``SIZES`` is a comma list of tensor sizes in bytes, ``ITERS`` a comma list of the timed iterations of
 each. Each worker fills its tensor with distinct values (``(i mod 1024) * (worker + 1)``), and after every
 iteration checks the result is the exact sum, so a mixed-up chunk fails the run. Every iteration starts
 after a barrier on every worker; each worker writes its per-iteration seconds to ``OUT.<worker>.json``
 (the first iteration of each size is warm-up and not recorded).
+
+The ``tcp-*`` modes move a push_pull's bytes through plain sockets with no summation and an ideal schedule:
+in phase ``k`` worker ``w`` sends its ``BYTES / S`` share to server ``(w + k) mod S`` while receiving as much
+back, so that every link carries one flow each way at a time (all 16 flows at once reach less on tc-shaped
+links). Each iteration starts after a barrier through server 0.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -131,6 +140,83 @@ def _zmq(mode: str, port: int, total: int, message: int) -> None:
     ctx.term()
 
 
+def _exchange(sock: socket.socket, payload: bytes, buf: bytearray) -> None:
+    """Send ``payload`` while receiving ``len(buf)`` bytes into ``buf`` (full duplex)."""
+    sender = threading.Thread(target=sock.sendall, args=(payload,))
+    sender.start()
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("the peer closed the connection mid-exchange")
+        got += n
+    sender.join()
+
+
+def _recv_byte(sock: socket.socket, expected: bytes) -> None:
+    got = sock.recv(1)
+    if got != expected:
+        raise ConnectionError(f"expected {expected!r} from the peer, got {got!r}")
+
+
+def _tcp_server(host: str, port: int, workers: int, nbytes: int, iters: int) -> None:
+    """Serve ``iters + 1`` exchanges of ``nbytes`` with each of ``workers`` connections; server 0 (the one
+    that also gets barrier bytes) releases every worker once all of them arrived."""
+    listener = socket.create_server((host, port), backlog=workers)
+    conns = [listener.accept()[0] for _ in range(workers)]
+    barrier = threading.Barrier(workers)
+
+    def serve(sock: socket.socket) -> None:
+        payload, buf = bytes(nbytes), bytearray(nbytes)
+        for _ in range(iters + 1):
+            first = sock.recv(1)
+            if first == b"b":  # a barrier round before the exchange
+                barrier.wait()
+                sock.sendall(b"B")
+                first = sock.recv(1)
+            if first != b"g":
+                raise ConnectionError(f"expected b'g' from a worker, got {first!r}")
+            _exchange(sock, payload, buf)
+
+    threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in (*conns, listener):
+        c.close()
+
+
+def _tcp_worker(out: str, worker: int, hosts: list[str], port: int, nbytes: int, iters: int) -> None:
+    share = nbytes // len(hosts)
+    conns = []
+    for host in hosts:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conns.append(socket.create_connection((host, port)))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    payload, buf = bytes(share), bytearray(share)
+    times = []
+    for i in range(iters + 1):
+        conns[0].sendall(b"b")
+        _recv_byte(conns[0], b"B")
+        t0 = time.perf_counter()
+        for k in range(len(conns)):
+            sock = conns[(worker + k) % len(conns)]
+            sock.sendall(b"g")
+            _exchange(sock, payload, buf)
+        if i:
+            times.append(time.perf_counter() - t0)
+    for c in conns:
+        c.close()
+    _write(out, worker, {nbytes: times})
+
+
 def main(argv: list[str]) -> None:
     mode, *args = argv
     if mode in ("ps", "gloo"):
@@ -144,6 +230,10 @@ def main(argv: list[str]) -> None:
         (_ps if mode == "ps" else _gloo)(out, sizes, iters)
     elif mode in ("zmq-sink", "zmq-source"):
         _zmq(mode, int(args[0]), int(args[1]), int(args[2]))
+    elif mode == "tcp-server":
+        _tcp_server(args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4]))
+    elif mode == "tcp-worker":
+        _tcp_worker(args[0], int(args[1]), args[2].split(","), int(args[3]), int(args[4]), int(args[5]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
