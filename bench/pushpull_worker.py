@@ -22,6 +22,7 @@ links). Each iteration starts after a barrier through server 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -178,13 +179,27 @@ def _tcp_server(host: str, port: int, workers: int, nbytes: int, iters: int) -> 
                 raise ConnectionError(f"expected b'g' from a worker, got {first!r}")
             _exchange(sock, payload, buf)
 
-    threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+    errors: list[BaseException] = []
+
+    def serve_or_stop(sock: socket.socket) -> None:
+        try:
+            serve(sock)
+        except BaseException as exc:  # re-raised below; the other threads must wake first
+            errors.append(exc)
+            barrier.abort()
+            for c in conns:
+                with contextlib.suppress(OSError):  # already shut
+                    c.shutdown(socket.SHUT_RDWR)
+
+    threads = [threading.Thread(target=serve_or_stop, args=(c,)) for c in conns]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for c in (*conns, listener):
         c.close()
+    if errors:
+        raise errors[0]
 
 
 def _tcp_worker(out: str, worker: int, hosts: list[str], port: int, nbytes: int, iters: int) -> None:
