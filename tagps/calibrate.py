@@ -234,11 +234,13 @@ def measure_ps_message_s(keys: int = 16, key_bytes: int = 16_000, seconds: float
     from tagps.ps import PSClient
 
     specs = local_job(["true"], 1, 1, 1)
-    services = [
-        subprocess.Popen(s.argv, env=dict(s.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    services = {
+        s.env["DMLC_ROLE"]: subprocess.Popen(
+            s.argv, env=dict(s.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         for s in specs
         if s.service
-    ]
+    }
     client = None
     try:
         client = PSClient(ps_config(specs[-1].env))
@@ -253,7 +255,7 @@ def measure_ps_message_s(keys: int = 16, key_bytes: int = 16_000, seconds: float
 
         for _ in range(10):  # warm-up: connections, first allocations
             round_trip()
-        server = services[1].pid  # the scheduler comes first
+        server = services["server"].pid
         cpu, start, rounds = _process_cpu_s(server), time.monotonic(), 0
         while time.monotonic() - start < seconds:
             round_trip()
@@ -262,7 +264,7 @@ def measure_ps_message_s(keys: int = 16, key_bytes: int = 16_000, seconds: float
     finally:
         if client is not None:
             client.close()
-        for proc in services:
+        for proc in services.values():
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
