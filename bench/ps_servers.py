@@ -18,6 +18,9 @@ run --plan``:
   worker's NIC then moves the gradient once each way, against a ring's 4/3 of it for 3 workers);
 - **DP all-reduce**: ``DistributedDataParallel`` over gloo on the three workers.
 
+Every job runs with ``PS_ENV`` (512 KiB chunks spread by size, ``BYTEPS_KEY_HASH_FN=balanced``): with
+BytePS's 4 MB default the PS runs lose to DP on these links for want of pipelining (see ``PS_ENV``).
+
 Figures: ``plan_vs_dp_allreduce``, ``ps_vs_dp_allreduce`` and ``spare_ps_vs_dp_allreduce`` (ratios of the
 best rounds' mean step times, ``MEASURED_STEP``), the first with its prediction,
 ``plan_uses_cross_machine_ps``, and
@@ -39,6 +42,12 @@ from benchlib import PROFILE_PROCESSES, command_line, machine_info, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, GROUPS = 48, 8
+# The jobs' PS settings: vgg-mini's 13 MB over 3 servers in BytePS's default 4 MB partitions is 4 chunks,
+# and a chunk's pull waits for all 3 workers' pushes of it (12 MB through one server's link); push_pull of
+# 13 MB among these 3 + 3 machines at 1 Gbit/s without quotas took 0.40 of the wire time with the defaults,
+# 0.61 with 1 MiB, 0.68-0.73 with 512 KiB and 0.79-0.80 with 256 KiB balanced chunks (2026-12-06). 512 KiB,
+# as bench/pushpull.py's emulated job uses.
+PS_ENV = {"BYTEPS_PARTITION_BYTES": str(512 * 1024), "BYTEPS_KEY_HASH_FN": "balanced"}
 
 
 def cluster_spec(rate_mbit: float) -> dict[str, Any]:
@@ -118,7 +127,7 @@ def main() -> int:
         for rnd in range(args.rounds):
             for name, (plan, runtime) in plans.items():
                 result = run_plan(executor, args.model, plan, runtime, steps=args.steps, warmup=2,
-                                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                                  env={"OMP_NUM_THREADS": "1", **PS_ENV})  # fmt: skip
                 predicted = cal.evaluate(sim, plan)
                 runs.append({"round": rnd, "strategy": name, "measured_s": result[MEASURED_STEP],
                              "predicted_s": predicted, "losses": result["losses"]})  # fmt: skip
@@ -144,6 +153,7 @@ def main() -> int:
         "machine": machine_info(load_average_1min={"start": load[0], "end": load[1]}),
         "command": command_line(),
         "cluster": spec,
+        "ps_env": PS_ENV,
         "topology_measured": topology.to_dict(),
         "calibration": cal.to_dict(),
         "model": args.model,
