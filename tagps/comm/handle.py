@@ -25,6 +25,7 @@ __all__ = [
     "failure",
     "raise_if_failed",
     "report_failure",
+    "timed_out",
     "wait_work",
 ]
 
@@ -102,6 +103,12 @@ class Waitable(Protocol):
     def is_completed(self) -> bool: ...
 
     def wait(self) -> object: ...
+
+
+def timed_out(what: str, timeout: float, hint: str = "") -> RuntimeError:
+    """The error of a wait that ``TAGPS_DIST_TIMEOUT`` ended: ``what`` (e.g. "push_pull of 'w'") did not
+    finish within ``timeout`` seconds, with an optional ``hint`` at the likely cause."""
+    return RuntimeError(f"{what} did not finish within {timeout:.0f} s (TAGPS_DIST_TIMEOUT){hint}")
 
 
 class NotifyingWaitable(Waitable, Protocol):

@@ -56,7 +56,14 @@ import zmq
 
 from tagps.comm.arena import ALL_READY, DONE, FAILED, NOT_READY, ShmArena
 from tagps.comm.collectives import run_blocking
-from tagps.comm.handle import WAIT_SLICE_S, CompletedWork, NotifyingWaitable, Waitable, raise_if_failed
+from tagps.comm.handle import (
+    WAIT_SLICE_S,
+    CompletedWork,
+    NotifyingWaitable,
+    Waitable,
+    raise_if_failed,
+    timed_out,
+)
 from tagps.tag_pipe import open_tag_pipe, read_tags
 
 __all__ = ["LocalReducer", "ReductionFuture", "shard_bounds"]
@@ -113,9 +120,8 @@ class ReductionFuture:
         self._raise_error()
 
     def _timed_out(self) -> RuntimeError:
-        return RuntimeError(
-            f"reduction of {self._name!r} did not finish within {self._timeout:.0f} s "
-            "(TAGPS_DIST_TIMEOUT); did another local rank exit or skip it?"
+        return timed_out(
+            f"reduction of {self._name!r}", self._timeout, "; did another local rank exit or skip it?"
         )
 
     def _raise_error(self) -> None:
@@ -621,9 +627,7 @@ class LocalReducer:
         raise_if_failed()
         for name in self._crossing.values():
             if now - self._rounds[name].crossing_since > self._timeout:
-                raise RuntimeError(
-                    f"push_pull of {name!r} did not finish within {self._timeout:.0f} s (TAGPS_DIST_TIMEOUT)"
-                )
+                raise timed_out(f"push_pull of {name!r}", self._timeout)
 
     def _finish(self, name: str) -> None:
         rnd = self._rounds.pop(name)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tagps.comm import collectives
-from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed
+from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed, timed_out
 from tagps.comm.local_reduce import LocalReducer
 from tagps.config import CommConfig, server_optimizer_config
 
@@ -69,10 +69,7 @@ class _ClientWork:
             except TimeoutError:
                 raise_if_failed()
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"push_pull of {self._name!r} did not finish within {self._timeout:.0f} s "
-                        "(TAGPS_DIST_TIMEOUT)"
-                    ) from None
+                    raise timed_out(f"push_pull of {self._name!r}", self._timeout) from None
 
 
 class _FutureWork:
