@@ -141,6 +141,10 @@ def _zmq(mode: str, port: int, total: int, message: int) -> None:
     ctx.term()
 
 
+# A peer that stops sending or never connects fails the tcp-* processes instead of hanging the benchmark.
+TCP_TIMEOUT_S = 60.0
+
+
 def _exchange(sock: socket.socket, payload: bytes, buf: bytearray) -> None:
     """Send ``payload`` while receiving ``len(buf)`` bytes into ``buf`` (full duplex)."""
     sender = threading.Thread(target=sock.sendall, args=(payload,))
@@ -164,8 +168,11 @@ def _tcp_server(host: str, port: int, workers: int, nbytes: int, iters: int) -> 
     """Serve ``iters + 1`` exchanges of ``nbytes`` with each of ``workers`` connections; server 0 (the one
     that also gets barrier bytes) releases every worker once all of them arrived."""
     listener = socket.create_server((host, port), backlog=workers)
+    listener.settimeout(TCP_TIMEOUT_S)
     conns = [listener.accept()[0] for _ in range(workers)]
-    barrier = threading.Barrier(workers)
+    for conn in conns:
+        conn.settimeout(TCP_TIMEOUT_S)
+    barrier = threading.Barrier(workers, timeout=TCP_TIMEOUT_S)
 
     def serve(sock: socket.socket) -> None:
         payload, buf = bytes(nbytes), bytearray(nbytes)
@@ -206,10 +213,10 @@ def _tcp_worker(out: str, worker: int, hosts: list[str], port: int, nbytes: int,
     share = nbytes // len(hosts)
     conns = []
     for host in hosts:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + TCP_TIMEOUT_S
         while True:
             try:
-                conns.append(socket.create_connection((host, port)))
+                conns.append(socket.create_connection((host, port), timeout=TCP_TIMEOUT_S))
                 break
             except OSError:
                 if time.monotonic() > deadline:
