@@ -71,6 +71,8 @@ def test_a_worker_that_sends_garbage_fails_the_server(tmp_path: Path) -> None:
                 break
             except OSError:
                 time.sleep(0.05)
+        else:
+            pytest.fail(f"the tcp-server never listened on port {port}")
         sock.sendall(b"x")
         _, err = server.communicate(timeout=30)
         sock.close()
