@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,14 +108,15 @@ def _run_cluster_run(args: argparse.Namespace) -> int:
         print("tagps cluster run: give the worker command after --", file=sys.stderr)
         return 2
     devices = servers = None
+    env: dict[str, str] = {}
     try:
         spec = load_spec(args.spec)
         if args.plan:
-            from tagps.cluster.experiment import plan_servers
+            from tagps.cluster.experiment import plan_env, plan_servers
             from tagps.strategy.plan import load
 
             plan = load(args.plan)
-            devices, servers = plan.worker_devices(), plan_servers(plan)
+            devices, servers, env = plan.worker_devices(), plan_servers(plan), plan_env(plan)
             # Checked before anything starts: a rank on a device the spec lacks would train the wrong layout.
             missing = [d for d in devices if d not in spec.devices()]
             if missing:
@@ -127,7 +129,7 @@ def _run_cluster_run(args: argparse.Namespace) -> int:
         print(f"tagps cluster run: {exc}", file=sys.stderr)
         return 1
     try:
-        return cluster.run(command, devices=devices, servers=servers)
+        return cluster.run(command, devices=devices, servers=servers, env={**os.environ, **env})
     finally:
         if ephemeral:
             cluster.down()
@@ -150,7 +152,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--plan",
         help="run one worker per device of this plan (rank r on its r-th worker device, TAGPS_DEVICE set) "
-        "and the summation servers it needs; default: every device and the spec's servers",
+        "and the summation servers it needs, at the plan's PS partition size; default: every device and "
+        "the spec's servers",
     )
     run.add_argument("command", nargs="*", help="-- CMD: the worker command (main() splits it off at --)")
     run.set_defaults(func=_run_cluster_run)

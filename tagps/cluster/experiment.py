@@ -37,6 +37,7 @@ __all__ = [
     "ddp_plan",
     "ddp_subset_plans",
     "local_executor",
+    "plan_env",
     "plan_layout",
     "plan_servers",
     "run_plan",
@@ -107,6 +108,17 @@ def plan_servers(plan: Plan) -> dict[str, int]:
     return {name: 1 for name in names}
 
 
+def plan_env(plan: Plan) -> dict[str, str]:
+    """The PS settings a plan was costed with, as the environment of its job's processes (servers included).
+
+    A plan with ``ps`` gradients and a ``comm.partition_bytes`` runs its chunks at that size, spread over the
+    servers by bytes (``BYTEPS_KEY_HASH_FN=balanced``), as the simulator spreads them; other plans need none.
+    """
+    if not plan.comm.partition_bytes or all(g.sync != "ps" for g in plan.gradients.values()):
+        return {}
+    return {"BYTEPS_PARTITION_BYTES": str(plan.comm.partition_bytes), "BYTEPS_KEY_HASH_FN": "balanced"}
+
+
 def plan_layout(plan: Plan) -> str:
     """Op groups as ``option@placement``, runs of equal ones counted: ``ps@m1 x6, allreduce@m0+m2``."""
     runs: list[list[Any]] = []
@@ -162,7 +174,7 @@ def run_plan(
             ``horovod`` (Horovod's DistributedOptimizer over gloo); the last two data-parallel plans only.
         steps: timed steps.
         warmup: untimed steps first.
-        env: extra environment of the processes.
+        env: extra environment of the processes, over the plan's own (:func:`plan_env`).
 
     Returns:
         Rank 0's result (:mod:`tagps.cluster.worker`) plus ``job_status``, the job's exit status, and, when
@@ -186,7 +198,7 @@ def run_plan(
     if any(d not in known for d in devices):
         raise ValueError(f"plan devices {devices} are not all in the executor's topology {known}")
     servers = plan_servers(plan)
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **plan_env(plan), **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
         plan_path, out = Path(tmp) / "plan.json", Path(tmp) / "result.json"
         plan.save(plan_path)

@@ -13,7 +13,8 @@ groups on their own devices, activations crossing between them); ``--runtime ddp
 shares only), the job's processes joined as a Horovod job by :func:`tagps.cluster.horovod_gloo.init`.
 Inputs and targets are one fixed synthetic global batch cut by the plan's shares (the same samples for every
 strategy), so the loss falls as the model memorises it and the losses of different plans compare. Rank 0
-writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", "cpu_s_per_step", ...}`` to ``--out``;
+writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", "cpu_s_per_step", "ps_env", ...}`` to
+``--out``;
 the timed steps follow ``--warmup`` untimed ones, and each timed step ends when rank 0's optimizer step
 returns (training is synchronous, so that is the iteration time). ``cpu_s_per_step`` is each rank's process
 CPU time per timed step: what it took from its machine's quota, beside what the simulator costs.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,6 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tagps.atomic import write_text_atomic
+
+PS_ENV_KEYS = ("BYTEPS_PARTITION_BYTES", "BYTEPS_KEY_HASH_FN")  # recorded in the result as ``ps_env``
 
 __all__ = ["main"]
 
@@ -199,6 +203,8 @@ def _write_result(
         "losses": losses,
         # Each rank's process CPU seconds (all its threads) per timed step: what it took from its quota.
         "cpu_s_per_step": dict(zip(devices, cpu_s_per_step, strict=True)),
+        # The PS settings the job ran with (tagps.cluster.experiment.plan_env): what its plan was costed at.
+        "ps_env": {k: os.environ[k] for k in PS_ENV_KEYS if k in os.environ},
     }
     write_text_atomic(args.out, json.dumps(result, indent=1))  # whole or absent, whatever happens next
 

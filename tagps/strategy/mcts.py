@@ -75,6 +75,7 @@ __all__ = [
     "SearchResult",
     "candidate_actions",
     "search",
+    "tune_partition",
 ]
 
 SEARCH_OPTIONS = ("allreduce", "ps", "duplicate", "mp")
@@ -82,6 +83,10 @@ REPLICATED = ("allreduce", "ps")  # the options a data-parallel plan may use
 # Option slot in the GNN's encoding: one per option.
 OPTION_SLOT = {"allreduce": 0, "ps": 1, "mp": 2, "duplicate": 3}
 OPTION_SLOTS = 4
+# PS chunk sizes the search tries on its best plan (0: BytePS's default): a chunk's pull waits for every
+# worker's push of it, so few chunks per server pipeline badly, and each chunk costs messages' CPU (the
+# simulator does not price a message's latency: 256 KiB, the best measured on 1 Gbit/s links, is the least).
+PARTITION_CHOICES = (0, 1 << 20, 512 << 10, 256 << 10)
 MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
 ROOT_FPU = 1e6  # value of an admitted, untried root action: above any reward, so it is tried next
 
@@ -606,7 +611,8 @@ class _Search:
         )
 
     def finish(self) -> tuple[Plan | None, float]:
-        """Polish the best plan (without fusion if faster, SFB) and attach the prediction."""
+        """Polish the best plan (without fusion if faster, its PS partition size, SFB) and attach the
+        prediction."""
         if self.best is None:
             return None, math.inf
         t, plan, result = self.best
@@ -615,6 +621,8 @@ class _Search:
         unfused_result = sim.evaluate(unfused)
         if unfused_result.feasible and unfused_result.iteration_time < t:
             t, plan, result = unfused_result.iteration_time, unfused, unfused_result
+        plan, result = tune_partition(sim, plan, result)
+        t = result.iteration_time
         if self.config.sfb:
             from tagps.strategy.sfb_milp import apply_sfb
 
@@ -642,6 +650,26 @@ class _Search:
 
         best_below(root)
         return out
+
+
+def tune_partition(sim: Simulator, plan: Plan, result: SimResult | None = None) -> tuple[Plan, SimResult]:
+    """``plan`` with the fastest PS partition size of :data:`PARTITION_CHOICES` (``comm.partition_bytes``)
+    on ``sim``, and its result; a plan without ``ps`` gradients comes back as it is.
+
+    Args:
+        result: ``plan``'s result on ``sim`` if known (saves one evaluation).
+    """
+    best = (plan, result if result is not None else sim.evaluate(plan))
+    if all(g.sync != "ps" for g in plan.gradients.values()):
+        return best
+    for size in PARTITION_CHOICES:
+        if size == plan.comm.partition_bytes:
+            continue
+        candidate = replace(plan, comm=replace(plan.comm, partition_bytes=size))
+        tried = sim.evaluate(candidate)
+        if tried.feasible and tried.iteration_time < best[1].iteration_time:
+            best = (candidate, tried)
+    return best
 
 
 def search(

@@ -106,11 +106,16 @@ class CommSettings:
         first_bucket_bytes: the first fused bucket of backward closes at this many bytes instead (0: at
             ``fusion_bytes``), so that the first sync starts early in backward, as
             ``DistributedDataParallel``'s 1 MiB first bucket does.
+        partition_bytes: ``ps`` gradients travel in chunks of at most this many bytes (0: the runtime's
+            ``BYTEPS_PARTITION_BYTES``, BytePS's 4 096 000 by default). A chunk's pull waits for every
+            worker's push of it, so the best size depends on the bytes each server holds; the search picks
+            it and the executor runs the plan with it (:func:`tagps.cluster.experiment.plan_env`).
     """
 
     overlap: bool = True
     fusion_bytes: int = 0
     first_bucket_bytes: int = 0
+    partition_bytes: int = 0
 
     def first_bucket_cap(self) -> int:
         """Return the bytes at which backward's first fused bucket closes: ``first_bucket_bytes``, never
@@ -204,7 +209,7 @@ class Plan:
             raise PlanError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if not isinstance(self.comm.overlap, bool):
             raise PlanError(f"comm.overlap must be a boolean, got {self.comm.overlap!r}")
-        for name in ("fusion_bytes", "first_bucket_bytes"):
+        for name in ("fusion_bytes", "first_bucket_bytes", "partition_bytes"):
             fb = getattr(self.comm, name)
             if isinstance(fb, bool) or not isinstance(fb, int) or fb < 0:
                 raise PlanError(f"comm.{name} must be an integer >= 0, got {fb!r}")

@@ -13,6 +13,7 @@ from tagps.cluster.experiment import (
     Executor,
     ddp_plan,
     ddp_subset_plans,
+    plan_env,
     plan_servers,
     run_plan,
 )
@@ -39,6 +40,16 @@ def test_plan_servers_follow_the_plan(sim: Simulator) -> None:
     one = dataclasses.replace(plan, batch_shares={"a:0": 3, "a:1": 3, "b:0": 0})
     one = dataclasses.replace(one, groups=tuple(dataclasses.replace(g, placement=("a",)) for g in one.groups))
     assert plan_servers(one.validate()) == {"a": 1}
+
+
+def test_a_plan_runs_at_the_partition_size_it_was_costed_with(sim: Simulator) -> None:
+    assert plan_env(byteps_like(sim, 6)) == {}  # the runtime's BYTEPS_PARTITION_BYTES, as costed
+    comm = dataclasses.replace(byteps_like(sim, 6).comm, partition_bytes=1 << 18)
+    assert plan_env(dataclasses.replace(byteps_like(sim, 6), comm=comm)) == {
+        "BYTEPS_PARTITION_BYTES": "262144",
+        "BYTEPS_KEY_HASH_FN": "balanced",
+    }
+    assert plan_env(dataclasses.replace(dp_nccl(sim, 6), comm=comm)) == {}  # no ps gradient, no chunks
 
 
 def test_ddp_plan_models_distributed_data_parallel(sim: Simulator) -> None:
@@ -76,8 +87,10 @@ def test_run_plan_rejects_plans_it_cannot_run(sim: Simulator) -> None:
 def test_a_ps_plan_trains_as_local_processes() -> None:
     local = Topology("local", (DeviceGroup("local", "CPU", 2, 10.0),), 10.0)
     plan = byteps_like(Simulator.for_model("transformer-mini", local, groups=4), 8)
+    plan = dataclasses.replace(plan, comm=dataclasses.replace(plan.comm, partition_bytes=1 << 16))
     result = run_plan(Executor(local), "transformer-mini", plan, steps=2, warmup=1)
     assert result["job_status"] == 0 and "job_error" not in result
+    assert result["ps_env"] == {"BYTEPS_PARTITION_BYTES": "65536", "BYTEPS_KEY_HASH_FN": "balanced"}
     assert result["devices"] == ["local:0", "local:1"] and result["batch_size"] == 8
     assert len(result["step_times_s"]) == 2 and len(result["losses"]) == 3
     assert result["samples_per_s"] == pytest.approx(8 / result["mean_step_s"])

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -18,7 +19,7 @@ def base() -> dict:
         "model": "mlp",
         "batch_size": 16,
         "optimizer": "adam",
-        "comm": {"overlap": True, "fusion_bytes": 0, "first_bucket_bytes": 0},
+        "comm": {"overlap": True, "fusion_bytes": 0, "first_bucket_bytes": 0, "partition_bytes": 262144},
         "ps_servers": ["v100"],
         "topology": t.to_dict(),
         "groups": [
@@ -47,10 +48,11 @@ def test_round_trip_is_exact(tmp_path):
     assert again == plan
     assert again.to_json() == text
     assert json.loads(text) == base()
-    # Files written before first_bucket_bytes existed still load, with it at 0 (a first bucket like the rest).
+    # Files written before first_bucket_bytes or partition_bytes existed still load, with them at 0 (a first
+    # bucket like the rest, the runtime's partition size).
     older = base()
-    del older["comm"]["first_bucket_bytes"]
-    assert Plan.from_dict(older) == plan
+    del older["comm"]["first_bucket_bytes"], older["comm"]["partition_bytes"]
+    assert Plan.from_dict(older) == dataclasses.replace(plan, comm=CommSettings(overlap=True))
     path = tmp_path / "plan.json"
     plan.save(path)
     assert load(path) == plan
@@ -93,6 +95,7 @@ CASES = [
     ("batch type", _set("batch_size", 0), "batch_size"),
     ("overlap", _set("comm/overlap", "yes"), "comm.overlap"),
     ("fusion", _set("comm/fusion_bytes", -1), "comm.fusion_bytes"),
+    ("partition", _set("comm/partition_bytes", 1.5), "comm.partition_bytes"),
     ("no groups", _set("groups", []), "no op groups"),
     ("bad option", _set("groups/0/option", "pipeline"), r"groups\[0\]: option 'pipeline'"),
     ("empty placement", _set("groups/1/placement", []), r"groups\[1\]: empty placement"),

@@ -9,8 +9,17 @@ import pytest
 from strategy_builders import deep_mlp_graph, three_groups
 
 from tagps.models import default_batch_size
+from tagps.strategy.baselines import dp_nccl
 from tagps.strategy.grouping import group_ops
-from tagps.strategy.mcts import Action, SearchConfig, _Search, candidate_actions, search
+from tagps.strategy.mcts import (
+    PARTITION_CHOICES,
+    Action,
+    SearchConfig,
+    _Search,
+    candidate_actions,
+    search,
+    tune_partition,
+)
 from tagps.strategy.plan import Plan
 from tagps.strategy.planner import plan_model
 from tagps.strategy.simulator import OPTIMIZER_STATE, Simulator
@@ -158,3 +167,17 @@ def test_the_search_puts_ps_servers_on_server_only_machines() -> None:
     # The servers on the spare machines are what makes the plan fast: on the workers alone it is slower.
     alone = sim.evaluate(replace(plan, ps_servers=()))
     assert alone.iteration_time > 1.1 * result.time_s
+    # The search chose the plan's chunk size: the fastest of the sizes it tries, as the simulator costs them.
+    costed = {
+        size: sim.evaluate(replace(plan, comm=replace(plan.comm, partition_bytes=size))).iteration_time
+        for size in PARTITION_CHOICES
+    }
+    assert plan.comm.partition_bytes == min(costed, key=costed.__getitem__)
+    assert result.time_s == pytest.approx(costed[plan.comm.partition_bytes])
+    assert costed[plan.comm.partition_bytes] < costed[0]  # 16 MiB gradients: BytePS's 4 MB pipelines worse
+
+
+def test_tune_partition_leaves_a_plan_without_ps_as_it_is(tree: _Search) -> None:
+    plan = dp_nccl(tree.sim, 64)
+    tuned, result = tune_partition(tree.sim, plan)
+    assert tuned is plan and result.iteration_time == tree.sim.evaluate(plan).iteration_time

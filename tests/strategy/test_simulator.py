@@ -167,6 +167,39 @@ def test_ps_through_spare_servers_is_bound_by_the_busiest_nic_in_one_direction()
         assert task.end - task.start == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_ps_sync_ends_with_its_busiest_servers_last_partition_drained():
+    """One 64 KiB tensor in 4 chunks over 3 spare servers (2, 1 and 1 of them): the first server takes 3
+    workers' pushes of 32 KiB, and its last chunk's pull to the 3 of them waits for all 3 pushes of it, so the
+    wire lasts 1.5 + 0.75 = 2.25x the tensor's time on one link. The plan's partition size sets the chunks:
+    in 16 chunks (6, 5 and 5) it takes 9 / 8 of it, in BytePS's default one chunk (one server) 6x."""
+    import torch
+
+    from tagps.strategy.graph import extract_graph
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128, bias=False))
+    graph = extract_graph(model, (torch.randn(1, 128),), "one-tensor")
+    spare = tuple(DeviceGroup(f"s{i}", "CPU", 0, 100.0) for i in range(3))
+    workers = tuple(DeviceGroup(f"w{i}", "1080Ti", 1, 96.0) for i in range(3))
+    topo = Topology("spare3", workers + spare, 1.0)
+    sim = Simulator(graph, group_ops(graph, 1), topo)
+    size = graph.param_bytes
+    assert size == 65536
+    servers = tuple(g.name for g in spare)
+    plan = data_parallel_plan(sim, 6, even_shares(sim, 6), option="ps", ps_servers=servers)
+
+    def wire_time(partition_bytes: int) -> float:
+        comm = dataclasses.replace(plan.comm, partition_bytes=partition_bytes)
+        tasks = [t for t in first_step(sim.evaluate(dataclasses.replace(plan, comm=comm), trace=True))
+                 if t.category == "ps"]  # fmt: skip
+        return max(t.end - t.start for t in tasks) - 2 * topo.inter_latency_s
+
+    link = size / (1e9 / 8)
+    assert wire_time(size // 4) == pytest.approx(2.25 * link, rel=1e-12)
+    # 16 chunks: 6 on the first server, 3 workers' pushes of 6/16 of the tensor, then one chunk's pulls.
+    assert wire_time(size // 16) == pytest.approx((3 * 6 / 16 + 3 / 16) * link, rel=1e-12)
+    assert wire_time(0) == wire_time(PS_PARTITION_BYTES) == pytest.approx(6 * link, rel=1e-12)
+
+
 def test_a_duplicate_producers_replicas_each_get_every_rows_gradient():
     """Op group 0 duplicated on two machines, op group 1 split between them: in backward each machine sends
     its rows' gradient of op group 0's output to the other replica (none is synced), over its NIC."""
