@@ -21,7 +21,8 @@ with
   best is trained);
 - **DP all-reduce**: ``DistributedDataParallel`` over gloo, even shares, every device;
 - **DP proportional**: tagps all-reduce with batch shares proportional to device speed (DP-NCCL-P);
-- **PS**: tagps with every gradient through a summation server, one per machine (BytePS-like);
+- **PS**: tagps with every gradient through a summation server, one per machine (BytePS-like), at the
+  partition size the calibrated simulator finds fastest for it (``tune_partition``);
 - **Horovod**: the DP all-reduce plan trained by ``horovod.torch.DistributedOptimizer`` over gloo
   (``--runtime horovod``: the job's processes join as a Horovod job, :mod:`tagps.cluster.horovod_gloo`),
   when ``horovod.torch`` imports (``make bench-deps`` builds it; else skipped, with the reason in the JSON);
@@ -127,10 +128,11 @@ def _plans(
     from tagps.strategy.baselines import byteps_like, data_parallel_plan, proportional_shares
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
-    from tagps.strategy.mcts import SearchConfig, search
+    from tagps.strategy.mcts import SearchConfig, search, tune_partition
     from tagps.strategy.plan import CommSettings
     from tagps.strategy.simulator import Simulator
 
+    replace = dataclasses.replace
     graph = model_graph(model)
     grouping = group_ops(graph, GROUPS)
     measured = Simulator(graph, grouping, topology)
@@ -144,6 +146,11 @@ def _plans(
             raise RuntimeError(f"the search found no feasible {what} for {model}")
         # The calibrated simulator's topology holds calibrated device speeds; jobs run on the measured one.
         return dataclasses.replace(found.plan, topology=topology)
+
+    def tuned(plan: Any) -> Any:
+        """``plan`` at the partition size the calibrated simulator finds fastest, as BytePS users tune it."""
+        best, _ = tune_partition(calibrated, replace(plan, topology=calibrated.topology))
+        return replace(best, topology=topology)
 
     best_dp = searched(True, None)
     subsets = ddp_subset_plans(measured, batch)
@@ -159,7 +166,7 @@ def _plans(
         "DP proportional": data_parallel_plan(
             measured, batch, proportional_shares(calibrated, batch), comm=overlapped
         ),
-        "PS": dataclasses.replace(byteps_like(measured, batch), comm=overlapped),
+        "PS": tuned(replace(byteps_like(measured, batch), comm=overlapped)),
     }
     predictions = [
         {"devices": p.devices(), "predicted_s": t} for p, t in zip(subsets, subset_times, strict=True)

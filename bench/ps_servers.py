@@ -18,8 +18,14 @@ run --plan``:
   worker's NIC then moves the gradient once each way, against a ring's 4/3 of it for 3 workers);
 - **DP all-reduce**: ``DistributedDataParallel`` over gloo on the three workers.
 
-Every job runs with ``PS_ENV`` (512 KiB chunks spread by size, ``BYTEPS_KEY_HASH_FN=balanced``): with
-BytePS's 4 MB default the PS runs lose to DP on these links for want of pipelining (see ``PS_ENV``).
+Every PS plan runs at the partition size the simulator finds fastest for it (``tune_partition``: the
+search's own polish, applied to the two PS baselines as a BytePS user would tune ``BYTEPS_PARTITION_BYTES``),
+which ``run_plan`` exports with ``BYTEPS_KEY_HASH_FN=balanced``: vgg-mini's 13 MB over 3 servers in BytePS's
+4 MB default is 4 chunks, and a chunk's pull waits for all 3 workers' pushes of it (push_pull of 13 MB among
+these 3 + 3 machines at 1 Gbit/s without quotas took 0.40 of the wire time with the defaults, 0.61 with
+1 MiB, 0.68-0.73 with 512 KiB and 0.79-0.80 with 256 KiB balanced chunks, 2026-12-06). The JSON records each
+strategy's whole plan (``plans``, its ``comm.partition_bytes``) and each run's ``ps_env`` and
+``cpu_s_per_step``.
 
 Figures: ``plan_vs_dp_allreduce``, ``ps_vs_dp_allreduce`` and ``spare_ps_vs_dp_allreduce`` (ratios of the
 best rounds' mean step times, ``MEASURED_STEP``), the first with its prediction,
@@ -42,12 +48,6 @@ from benchlib import PROFILE_PROCESSES, command_line, machine_info, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, GROUPS = 48, 8
-# The jobs' PS settings: vgg-mini's 13 MB over 3 servers in BytePS's default 4 MB partitions is 4 chunks,
-# and a chunk's pull waits for all 3 workers' pushes of it (12 MB through one server's link); push_pull of
-# 13 MB among these 3 + 3 machines at 1 Gbit/s without quotas took 0.40 of the wire time with the defaults,
-# 0.61 with 1 MiB, 0.68-0.73 with 512 KiB and 0.79-0.80 with 256 KiB balanced chunks (2026-12-06). 512 KiB,
-# as bench/pushpull.py's emulated job uses.
-PS_ENV = {"BYTEPS_PARTITION_BYTES": str(512 * 1024), "BYTEPS_KEY_HASH_FN": "balanced"}
 
 
 def cluster_spec(rate_mbit: float) -> dict[str, Any]:
@@ -88,7 +88,7 @@ def main() -> int:
     from tagps.strategy.gnn import DEFAULT_WEIGHTS, load_prior
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
-    from tagps.strategy.mcts import SearchConfig, search
+    from tagps.strategy.mcts import SearchConfig, search, tune_partition
     from tagps.strategy.profiles import build_profile, profile_path
     from tagps.strategy.simulator import Simulator
 
@@ -117,20 +117,28 @@ def main() -> int:
             raise SystemExit("the search found no feasible plan")
         measured_sim = Simulator(graph, grouping, topology)
         spare = tuple(g.name for g in measured_sim.dgroups if g.server_only)
+
+        def tuned(plan: Any) -> Any:
+            """``plan`` at the partition size the calibrated simulator finds fastest (users tune BytePS so)."""
+            best, _ = tune_partition(sim, dataclasses.replace(plan, topology=sim.topology))
+            return dataclasses.replace(best, topology=topology)
+
         plans = {
             "search's plan": (dataclasses.replace(found.plan, topology=topology), "tagps"),
-            "BytePS-like": (byteps_like(measured_sim, BATCH), "tagps"),
-            "PS, spare servers": (byteps_like(measured_sim, BATCH, ps_servers=spare), "tagps"),
+            "BytePS-like": (tuned(byteps_like(measured_sim, BATCH)), "tagps"),
+            "PS, spare servers": (tuned(byteps_like(measured_sim, BATCH, ps_servers=spare)), "tagps"),
             "DP all-reduce": (ddp_plan(measured_sim, BATCH), "ddp"),
         }
         runs: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             for name, (plan, runtime) in plans.items():
                 result = run_plan(executor, args.model, plan, runtime, steps=args.steps, warmup=2,
-                                  env={"OMP_NUM_THREADS": "1", **PS_ENV})  # fmt: skip
+                                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
                 predicted = cal.evaluate(sim, plan)
                 runs.append({"round": rnd, "strategy": name, "measured_s": result[MEASURED_STEP],
-                             "predicted_s": predicted, "losses": result["losses"]})  # fmt: skip
+                             "predicted_s": predicted, "ps_env": result["ps_env"],
+                             "cpu_s_per_step": result["cpu_s_per_step"],
+                             "losses": result["losses"]})  # fmt: skip
                 print(f"round {rnd}: {name:<17} {result[MEASURED_STEP] * 1e3:7.1f} ms measured, "
                       f"{predicted * 1e3:7.1f} ms predicted", flush=True)  # fmt: skip
     finally:
@@ -153,13 +161,13 @@ def main() -> int:
         "machine": machine_info(load_average_1min={"start": load[0], "end": load[1]}),
         "command": command_line(),
         "cluster": spec,
-        "ps_env": PS_ENV,
         "topology_measured": topology.to_dict(),
         "calibration": cal.to_dict(),
         "model": args.model,
         "batch": BATCH,
         "plan": {"kind": plan.kind, "groups": [[g.option, list(g.placement)] for g in plan.groups],
                  "ps_servers": list(plan.ps_servers)},
+        "plans": {name: p.to_dict() for name, (p, _) in plans.items()},
         "runs": runs,
         "figures": figures,
         "seconds": time.monotonic() - started,
