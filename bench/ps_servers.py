@@ -119,7 +119,7 @@ def main() -> int:
         spare = tuple(g.name for g in measured_sim.dgroups if g.server_only)
 
         def tuned(plan: Any) -> Any:
-            """``plan`` at the partition size the calibrated simulator finds fastest (users tune BytePS so)."""
+            """``plan`` at the partition size the calibrated simulator finds fastest."""
             best, _ = tune_partition(sim, dataclasses.replace(plan, topology=sim.topology))
             return dataclasses.replace(best, topology=topology)
 
