@@ -132,7 +132,6 @@ def _plans(
     from tagps.strategy.plan import CommSettings
     from tagps.strategy.simulator import Simulator
 
-    replace = dataclasses.replace
     graph = model_graph(model)
     grouping = group_ops(graph, GROUPS)
     measured = Simulator(graph, grouping, topology)
@@ -147,16 +146,13 @@ def _plans(
         # The calibrated simulator's topology holds calibrated device speeds; jobs run on the measured one.
         return dataclasses.replace(found.plan, topology=topology)
 
-    def tuned(plan: Any) -> Any:
-        """``plan`` at the partition size the calibrated simulator finds fastest, as BytePS users tune it."""
-        best, _ = tune_partition(calibrated, replace(plan, topology=calibrated.topology))
-        return replace(best, topology=topology)
-
     best_dp = searched(True, None)
     subsets = ddp_subset_plans(measured, batch)
     subset_times = [cal.evaluate(calibrated, p) for p in subsets]
     # The runtime overlaps every gradient's sync with backward and does not fuse: model the baselines so.
     overlapped = CommSettings(overlap=True)
+    # At the partition size the calibrated simulator finds fastest for it, as BytePS users tune it.
+    ps, _ = tune_partition(calibrated, dataclasses.replace(byteps_like(measured, batch), comm=overlapped))
     plans = {
         "best DP plan": best_dp,
         "general plan": searched(False, prior),
@@ -166,7 +162,7 @@ def _plans(
         "DP proportional": data_parallel_plan(
             measured, batch, proportional_shares(calibrated, batch), comm=overlapped
         ),
-        "PS": tuned(replace(byteps_like(measured, batch), comm=overlapped)),
+        "PS": ps,
     }
     predictions = [
         {"devices": p.devices(), "predicted_s": t} for p, t in zip(subsets, subset_times, strict=True)

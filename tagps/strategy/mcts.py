@@ -656,20 +656,24 @@ def tune_partition(sim: Simulator, plan: Plan, result: SimResult | None = None) 
     """``plan`` with the fastest PS partition size of :data:`PARTITION_CHOICES` (``comm.partition_bytes``)
     on ``sim``, and its result; a plan without ``ps`` gradients comes back as it is.
 
+    ``plan`` may be made for another topology of ``sim``'s device groups (a measured one beside a calibrated
+    simulator): it is costed on ``sim``'s and comes back on its own.
+
     Args:
         result: ``plan``'s result on ``sim`` if known (saves one evaluation).
     """
-    best = (plan, result if result is not None else sim.evaluate(plan))
+    costed = plan if plan.topology is sim.topology else replace(plan, topology=sim.topology)
+    best_comm, best = plan.comm, result if result is not None else sim.evaluate(costed)
     if all(g.sync != "ps" for g in plan.gradients.values()):
-        return best
+        return plan, best
     for size in PARTITION_CHOICES:
         if size == plan.comm.partition_bytes:
             continue
-        candidate = replace(plan, comm=replace(plan.comm, partition_bytes=size))
-        tried = sim.evaluate(candidate)
-        if tried.feasible and tried.iteration_time < best[1].iteration_time:
-            best = (candidate, tried)
-    return best
+        comm = replace(plan.comm, partition_bytes=size)
+        tried = sim.evaluate(replace(costed, comm=comm))
+        if tried.feasible and tried.iteration_time < best.iteration_time:
+            best_comm, best = comm, tried
+    return (plan if best_comm is plan.comm else replace(plan, comm=best_comm)), best
 
 
 def search(
