@@ -66,8 +66,7 @@ def cluster_spec(rate_mbit: float) -> dict[str, Any]:
 
 def _cross_machine_ps(plan: Any) -> bool:
     """Whether some op group syncs by ps among devices of more than one machine."""
-    ps_groups = {g.group for g in plan.gradients.values() if g.sync == "ps"}
-    return any(len(plan.groups[i].placement) > 1 for i in ps_groups)
+    return any(len(plan.groups[i].placement) > 1 for i in plan.ps_groups())
 
 
 def main() -> int:

@@ -99,7 +99,7 @@ def local_executor(devices: int, probe_seconds: float = 0.3) -> Executor:
 
 def plan_servers(plan: Plan) -> dict[str, int]:
     """Summation servers a plan needs: one per device group the plan puts a PS server on (none without ps)."""
-    ps_groups = {g.group for g in plan.gradients.values() if g.sync == "ps"}
+    ps_groups = plan.ps_groups()
     if not ps_groups:
         return {}
     names = plan.ps_servers or tuple(
@@ -114,7 +114,7 @@ def plan_env(plan: Plan) -> dict[str, str]:
     A plan with ``ps`` gradients and a ``comm.partition_bytes`` runs its chunks at that size, spread over the
     servers by bytes (``BYTEPS_KEY_HASH_FN=balanced``), as the simulator spreads them; other plans need none.
     """
-    if not plan.comm.partition_bytes or all(g.sync != "ps" for g in plan.gradients.values()):
+    if not plan.comm.partition_bytes or not plan.ps_groups():
         return {}
     return {"BYTEPS_PARTITION_BYTES": str(plan.comm.partition_bytes), "BYTEPS_KEY_HASH_FN": "balanced"}
 

@@ -664,7 +664,7 @@ def tune_partition(sim: Simulator, plan: Plan, result: SimResult | None = None) 
     """
     costed = plan if plan.topology is sim.topology else replace(plan, topology=sim.topology)
     best_comm, best = plan.comm, result if result is not None else sim.evaluate(costed)
-    if all(g.sync != "ps" for g in plan.gradients.values()):
+    if not plan.ps_groups():
         return plan, best
     for size in PARTITION_CHOICES:
         if size == plan.comm.partition_bytes:

@@ -192,6 +192,10 @@ class Plan:
         except KeyError:
             raise KeyError(f"plan has no gradient entry for parameter {param!r}") from None
 
+    def ps_groups(self) -> set[int]:
+        """Indices of the op groups with a gradient synced by ``ps`` (empty: the plan needs no servers)."""
+        return {g.group for g in self.gradients.values() if g.sync == "ps"}
+
     def sync_map(self) -> dict[str, str]:
         """``{parameter name: sync method}`` for every gradient (the runtime's view)."""
         return {name: g.sync for name, g in self.gradients.items()}

@@ -231,7 +231,7 @@ class DistributedModel(nn.Module):
     # ------------------------------------------------------------------ construction
     def _ps_stages(self) -> list[int]:
         """Stages whose gradients sync (partly) by ps over more than one device, in order (every rank)."""
-        ps_groups = {g.group for g in self.plan.gradients.values() if g.sync == "ps"}
+        ps_groups = self.plan.ps_groups()
         return [
             s for s, st in enumerate(self.stages) if len(st.devices) > 1 and ps_groups & set(st.op_groups)
         ]

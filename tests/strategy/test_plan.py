@@ -59,6 +59,7 @@ def test_round_trip_is_exact(tmp_path):
     assert load(text) == plan
     assert load(plan.to_dict()) == plan
     assert plan.sync_map() == {"0.weight": "sfb", "0.bias": "allreduce", "2.weight": "ps"}
+    assert plan.ps_groups() == {1}
     assert plan.devices() == ["v100:0", "v100:1", "1080ti-0:0"]
 
 
