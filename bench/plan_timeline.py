@@ -149,18 +149,12 @@ def _run(args: argparse.Namespace, folder: Path) -> tuple[int, dict[str, Any]]:
     devices, servers = plan.worker_devices(), plan_servers(plan)
     if args.spec is None:
         return run_processes(local_job(command, len(devices), sum(servers.values()), 1, env)), {}
-    from tagps.cluster.run import attach, up
+    from tagps.cluster.run import running
     from tagps.cluster.spec import load_spec
 
     spec = load_spec(args.spec)
-    cluster = attach(spec.name)
-    ephemeral = cluster is None
-    cluster = cluster or up(spec)
-    try:
+    with running(spec) as cluster:
         return cluster.run(command, devices=devices, servers=servers, env=env), spec.to_dict()
-    finally:
-        if ephemeral:
-            cluster.down()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -100,7 +101,7 @@ def _run_cluster_up(args: argparse.Namespace) -> int:
 
 def _run_cluster_run(args: argparse.Namespace) -> int:
     from tagps.cluster import ClusterError
-    from tagps.cluster.run import attach, up
+    from tagps.cluster.run import running
     from tagps.cluster.spec import load_spec
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -109,6 +110,7 @@ def _run_cluster_run(args: argparse.Namespace) -> int:
         return 2
     devices = servers = None
     env: dict[str, str] = {}
+    stack = contextlib.ExitStack()  # takes down a cluster that this run brought up
     try:
         spec = load_spec(args.spec)
         if args.plan:
@@ -121,18 +123,12 @@ def _run_cluster_run(args: argparse.Namespace) -> int:
             missing = [d for d in devices if d not in spec.devices()]
             if missing:
                 raise ValueError(f"plan {args.plan} runs on {missing}, which cluster {spec.name!r} lacks")
-        cluster = attach(spec.name)
-        ephemeral = cluster is None
-        if cluster is None:
-            cluster = up(spec)
+        cluster = stack.enter_context(running(spec))
     except (ClusterError, ValueError) as exc:
         print(f"tagps cluster run: {exc}", file=sys.stderr)
         return 1
-    try:
+    with stack:
         return cluster.run(command, devices=devices, servers=servers, env={**os.environ, **env})
-    finally:
-        if ephemeral:
-            cluster.down()
 
 
 def _add_cluster(sub: argparse._SubParsersAction) -> None:

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -41,7 +41,7 @@ from tagps.cluster.spec import ClusterSpec, MachineSpec, load_spec
 from tagps.launcher import ProcessSpec, run_processes
 from tagps.strategy.topology import SERVER_INTRA_GBPS, DeviceGroup, Link, Topology
 
-__all__ = ["STATE_DIR", "Cluster", "attach", "down", "down_all", "up"]
+__all__ = ["STATE_DIR", "Cluster", "attach", "down", "down_all", "running", "up"]
 
 STATE_DIR = Path("/run/tagps")
 _PROBE_PORT = 7000
@@ -384,6 +384,25 @@ def attach(name: str) -> Cluster | None:
         return None
     groups = {m: cg.CpuCgroup(Path(p), v, c) for m, (p, v, c) in state["cgroups"].items()}
     return Cluster(spec, netns.Network(state["index"], nodes, state["mtu"]), groups)
+
+
+@contextlib.contextmanager
+def running(spec: ClusterSpec) -> Iterator[Cluster]:
+    """The cluster of ``spec`` for a block: the one already up (left up after it), else one :func:`up`
+    brings up and takes down again after the block, whatever ends it.
+
+    Raises:
+        ClusterError, ValueError: as :func:`up`.
+    """
+    cluster = attach(spec.name)
+    if cluster is not None:
+        yield cluster
+        return
+    cluster = up(spec)
+    try:
+        yield cluster
+    finally:
+        cluster.down()
 
 
 def down(name: str) -> list[str]:
