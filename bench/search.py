@@ -192,7 +192,8 @@ def iterations_to_beat(
         model = models[k % len(models)]
         graph = model_graph(model)
         sim = Simulator(graph, group_ops(graph, groups, 0), random_topology(seed))
-        config = SearchConfig(iterations=cap, seed=seed, sfb=False, dp_first=False)  # the tree's own speed
+        # The tree's own speed: no data-parallel phase, no SFB, no refinement.
+        config = SearchConfig(iterations=cap, seed=seed, sfb=False, dp_first=False, refine=False)
         result = search(sim, default_batch_size(model), config, model=prior)
         out.append(result.iters_to_beat_baseline)
     return out

@@ -89,6 +89,9 @@ OPTION_SLOTS = 4
 PARTITION_CHOICES = (0, 1 << 20, 512 << 10, 256 << 10)
 MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
 ROOT_FPU = 1e6  # value of an admitted, untried root action: above any reward, so it is tried next
+# Passes of the refinement over every op group; a pass that changes nothing ends it sooner. Most gains come
+# in the first pass: the tree decides the heavy groups, the refinement the many light ones below its depth.
+REFINE_PASSES = 3
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ class SearchConfig:
         normalize_q: PUCT compares ``(Q - min) / (max - min)`` over the rewards the search has seen (as
             MuZero) instead of ``Q``: rewards run from -1 to tens on small models, where raw ``Q`` drowns
             the prior term and ``c_puct`` would need retuning per model and topology (default True).
+        refine: after the tree, refine its best plan one op group at a time (:meth:`_Search.refine`);
+            False leaves the tree's plan as found (studies of the tree itself, training labels).
     """
 
     iterations: int | None = 1000
@@ -163,6 +168,7 @@ class SearchConfig:
     sfb: bool = True
     optimizer: str = "adam"
     normalize_q: bool = True
+    refine: bool = True
 
     def __post_init__(self) -> None:
         if self.iterations is None and self.seconds is None:
@@ -603,12 +609,63 @@ class _Search:
                     beat = it
             if progress is not None:
                 progress(it, self.best[0] if self.best else None)
+        if config.refine and self.refine(start) and self.best is not None:
+            history.append((it, self.best[0]))
         plan, t = self.finish()
         samples = self.samples(root) if self.keep_samples else []
         return SearchResult(
             plan, t, self.baseline, self.baseline_time, it, self.evaluations,
             time.perf_counter() - start, beat, history, samples, self.ctx if self.keep_samples else None,
         )
+
+    def refine(self, start: float) -> bool:
+        """Coordinate descent from the best plan: for each op group in turn (heaviest first), the fastest of
+        :meth:`neighbours` with every other group fixed; up to :data:`REFINE_PASSES` passes. Returns
+        whether it found a faster plan.
+
+        The tree's depth-first decisions leave the op groups below the levels it reached following the first
+        group's action; one group's move at a time is where a layer's own placement or sync is found
+        (a light group off the slow link, a classifier by ``ps`` beside convolutions by all-reduce). A
+        time budget (``config.seconds``) also bounds the refinement, counted from ``start``.
+        """
+        if self.best is None:
+            return False
+        seconds = self.config.seconds
+        index = {a: k for k, a in enumerate(self.actions)}
+        first = self.best[0]
+        decided = self.best_decided
+        path = [*decided, *[decided[0]] * (len(self.order) - len(decided))]
+        for _ in range(REFINE_PASSES):
+            before = self.best[0]
+            for level in range(len(path)):
+                if seconds is not None and time.perf_counter() - start >= seconds:
+                    return self.best[0] < first
+                for k in self.neighbours(path, level, index):
+                    trial = (*path[:level], k, *path[level + 1 :])
+                    known = self.best[0]
+                    self.evaluate(trial)
+                    if self.best[0] < known:
+                        path = list(trial)
+            if not self.best[0] < before:
+                break
+        return self.best[0] < first
+
+    def neighbours(self, path: Sequence[int], level: int, index: dict[Action, int]) -> list[int]:
+        """Actions the refinement tries for the op group at ``level`` of the complete ``path``: the other
+        options on its device groups, its option on one device group more or fewer, and every action another
+        op group takes; in a data-parallel search only the replicated options on the plan's device groups."""
+        current = self.actions[path[level]]
+        if self.config.data_parallel:
+            tried = [Action(current.devices, option) for option in REPLICATED]
+        else:
+            tried = [Action(current.devices, option) for option in SEARCH_OPTIONS]
+            for g in self.sim.topology.worker_indices:
+                moved = tuple(sorted(set(current.devices) ^ {g}))
+                if moved:
+                    tried.append(Action(moved, current.option))
+            tried += [self.actions[k] for k in path]
+        out = dict.fromkeys(index[a] for a in tried if a in index and a != current)
+        return list(out)
 
     def finish(self) -> tuple[Plan | None, float]:
         """Polish the best plan (without fusion if faster, its PS partition size, SFB) and attach the

@@ -212,13 +212,13 @@ def _label_search(iterations: int, seed: int) -> SearchConfig:
     steers it spelled out, so that retuning the search's defaults does not change what a seed trains."""
     return SearchConfig(
         iterations=iterations, seed=seed, sfb=False, dp_first=False, widen_c=None, c_puct=1.5, prior_mix=0.25,
-        normalize_q=False,
+        normalize_q=False, refine=False,
     )
 
 
 def _tree_only(iterations: int, seed: int) -> SearchConfig:
-    """A search of the general tree alone (no data-parallel phase), without SFB."""
-    return SearchConfig(iterations=iterations, seed=seed, sfb=False, dp_first=False)
+    """A search of the general tree alone (no data-parallel phase), without SFB or refinement."""
+    return SearchConfig(iterations=iterations, seed=seed, sfb=False, dp_first=False, refine=False)
 
 
 @dataclass(frozen=True)
