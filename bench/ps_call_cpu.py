@@ -2,14 +2,15 @@
 
 Usage: python bench/ps_call_cpu.py [--model M] [--steps N] [--out FILE]   (needs root: cgroups, netns)
 
-The simulator charges a machine of ``m`` ranks ``m * ps_call_s + (m - 1) * ps_local_call_s`` of CPU per
-push_pull call, both constants measured by ``python -m tagps.calibrate`` from back-to-back 1 KiB
-push_pulls on machines of one rank and of three. Training differs in two ways: a model's gradients have
-their own sizes (most of transformer-mini's 38 are 1-256 KiB, the futex path; two are 512 KiB, the
-shard-and-message path), and a backward pass issues them one after another between slices of compute,
-waiting for them together. This benchmark runs a tagps job on :data:`SPEC` (the bench cluster's two
-1 Gbit/s machines: 2 ranks each at 0.7 cores, a summation server on each) whose ranks push_pull the
-model's gradient shapes, the small ones (up to ``ROOT_SUMS_BYTES``) and the big ones apart, in two regimes:
+The simulator charges a machine of ``m > 1`` ranks ``m * ps_call_s + ps_shared_call_s + (m - 1) *
+ps_local_call_s`` of CPU per push_pull call (a lone rank ``ps_call_s``), the constants measured by
+``python -m tagps.calibrate`` from back-to-back 1 KiB push_pulls on machines of one rank, two and three.
+Training differs in two ways: a model's gradients have their own sizes (most of transformer-mini's 38
+are 1-256 KiB, the futex path; two are 512 KiB, the shard-and-message path), and a backward pass
+issues them one after another between slices of compute, waiting for them together. This benchmark
+runs a tagps job on :data:`SPEC` (the bench cluster's two 1 Gbit/s machines: 2 ranks each at 0.7 cores,
+a summation server on each) whose ranks push_pull the model's gradient shapes, the small ones (up to
+``ROOT_SUMS_BYTES``) and the big ones apart, in two regimes:
 
 - **serial**: one call at a time, each waited for (the calibration probe's regime);
 - **step**: each call issued after a slice of compute on the main thread (float32 matmuls, thread CPU
@@ -174,8 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         figures[f"{which}_step_over_serial"] = (
             figures[f"{which}_step_machine_us"] / figures[f"{which}_serial_machine_us"]
         )
-    cal = _calibration(args.calibration)  # a machine of two ranks: 2 calls and 1 further local rank
-    figures["model_machine_us"] = (2 * cal.ps_call_s + cal.ps_local_call_s) * 1e6
+    cal = _calibration(args.calibration)  # a machine of two ranks: 2 calls, its root and 1 further rank
+    figures["model_machine_us"] = (2 * cal.ps_call_s + cal.ps_shared_call_s + cal.ps_local_call_s) * 1e6
     print(f"\nCPU per call; the calibration charges a machine of two {figures['model_machine_us']:.0f} us")
     print(f"{'set':<7}{'regime':<8}{'root us':>9}{'other us':>10}{'machine us':>12}{'lone us':>9}")
     for which in SETS:

@@ -17,8 +17,9 @@
    costs outside a training step: the micro-benchmarks the fit is compared with, and the CPU a
    collective's steps and calls consume (``collective_step_cpu_s``, ``collective_call_cpu_s``), which
    the simulator charges to each rank's machine quota. Back-to-back small push_pulls from machines of one
-   rank and of three measure a push_pull call's CPU on a rank (``ps_call_s``) and what each further
-   local rank adds (``ps_local_call_s``: the shared-memory reduction's coordination).
+   rank, of two and of three measure a push_pull call's CPU on a rank (``ps_call_s``), what a machine of
+   several ranks adds once (``ps_shared_call_s``: its root's coordination of the shared-memory reduction)
+   and what each further local rank adds (``ps_local_call_s``).
 
 At the end it prints each fitted constant beside the micro-benchmark it is a fraction or a counterpart of
 (matmul rate, copy bandwidth, one op's dispatch, half a TCP round trip, TCP goodput) with its physical
@@ -433,26 +434,34 @@ def measure_runtime_cpu(
 ) -> tuple[dict[str, float], dict[str, Reference]]:
     """Measure the CPU a collective and a push_pull consume on each rank: back-to-back small all-reduces on
     rings of 3 (``ca``) and 6 ranks, whose CPU per call is ``call + 2 (n - 1) step`` (solved for both), and
-    back-to-back push_pulls to a server on each machine, from machines of one rank (``ca:0`` and ``cb:0``)
-    and of three: a machine of ``m`` ranks consumes ``m c_call + (m - 1) c_local`` per call beyond its
-    messages (``message_s`` each, a push and a pull: measured apart, :func:`measure_ps_message_s`).
+    back-to-back push_pulls to a server on each machine, from machines of one rank (``ca:0`` and ``cb:0``),
+    of two and of three: a machine of ``m > 1`` ranks consumes ``m c_call + c_shared + (m - 1) c_local``
+    per call beyond its messages (``message_s`` each, a push and a pull: measured apart,
+    :func:`measure_ps_message_s`), so the machines of two and three give ``c_shared + c_local`` and
+    ``c_shared + 2 c_local``. A root's coordination costs more than a further rank's (on the bench
+    cluster, 2026-12-06: a root of two ranks 462 us a call, its other rank 127, a lone rank 207), which a
+    cost per further rank alone, fitted on machines of three, put at 354 us for a machine of two where
+    it took 589.
 
     Returns:
-        The calibration's measured ``collective_step_cpu_s``, ``collective_call_cpu_s``, ``ps_call_s`` and
-        ``ps_local_call_s`` (each put in its physical range; a reading under 0, noise around a cost of
-        nothing, is 0), and the all-reduce readings as the micro-benchmarks beside the runtime CPU constants
-        that :func:`fit_runs` fits: a fit far from them is a cost of whole jobs (hooks, buckets, waiting on
-        a quota'd core) that back-to-back calls do not show.
+        The calibration's measured ``collective_step_cpu_s``, ``collective_call_cpu_s``, ``ps_call_s``,
+        ``ps_shared_call_s`` and ``ps_local_call_s`` (each put in its physical range; a reading under 0,
+        noise around a cost of nothing, is 0; a machine of three that costs less than one of two leaves
+        the whole cost to ``c_shared``), and the all-reduce readings as the micro-benchmarks beside the
+        runtime CPU constants that :func:`fit_runs` fits: a fit far from them is a cost of whole jobs
+        (hooks, buckets, waiting on a quota'd core) that back-to-back calls do not show.
     """
     machines = CALIBRATION_CLUSTER["machines"]
     devices = [f"{m['name']}:{i}" for m in machines for i in range(m["workers"])]
     servers = {m["name"]: 1 for m in machines}
     lone = [f"{m['name']}:0" for m in machines]  # one rank per machine
+    pairs = [f"{m['name']}:{i}" for m in machines for i in range(2)]  # two ranks per machine
     per_rank = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runtime-cpu.json")
         argv = probe_argv(out, calls, "--runtime-cpu-probe")
-        for label, ranks, s in (("3", devices[:3], {}), ("6", devices, servers), ("lone", lone, servers)):
+        jobs = (("3", devices[:3], {}), ("6", devices, servers), ("lone", lone, servers))
+        for label, ranks, s in (*jobs, ("pair", pairs, servers)):
             _run_logged(
                 lambda log, d=ranks, s=s: cluster.run(argv, devices=d, servers=s, out=log),
                 f"runtime CPU probe on {', '.join(ranks)}",
@@ -468,13 +477,20 @@ def measure_runtime_cpu(
     # A machine pushes and pulls each call's one partition once: 2 messages, whatever its ranks.
     messages = 2 * message_s
     ps_call = statistics.mean(per_rank[("ps", "lone")]) - messages
-    size, ps6 = machines[0]["workers"], per_rank[("ps", "6")]
-    machine = statistics.mean(sum(ps6[i : i + size]) for i in range(0, len(ps6), size))
-    ps_local = (machine - messages - size * ps_call) / (size - 1)
+
+    def beyond_calls(label: str, size: int) -> float:  # a machine's CPU per call beyond its ranks' calls
+        ranks = per_rank[("ps", label)]
+        machine = statistics.mean(sum(ranks[i : i + size]) for i in range(0, len(ranks), size))
+        return machine - messages - size * ps_call
+
+    size = machines[0]["workers"]
+    two, more = beyond_calls("pair", 2), beyond_calls("6", size)
+    ps_local = max(0.0, (more - two) / (size - 2))
     readings = {
         "collective_step_cpu_s": step,
         "collective_call_cpu_s": call,
         "ps_call_s": ps_call,
+        "ps_shared_call_s": two - ps_local,
         "ps_local_call_s": ps_local,
     }
     measured = {name: HOST_CPU[name].clip(value) if value > 0 else 0.0 for name, value in readings.items()}
@@ -612,11 +628,12 @@ def calibrate_stages(
                     cluster, 100 if quick else 1000, fitted["message_overhead_s"]
                 )
                 link_refs.update(runtime_refs)
+                us = {name: f"{value * 1e6:.0f} us" for name, value in measured.items()}
                 log(
-                    f"runtime CPU: per collective step {measured['collective_step_cpu_s'] * 1e6:.0f} us, per "
-                    f"collective call {measured['collective_call_cpu_s'] * 1e6:.0f} us, per push_pull call "
-                    f"{measured['ps_call_s'] * 1e6:.0f} us and {measured['ps_local_call_s'] * 1e6:.0f} us "
-                    "for each further local rank"
+                    f"runtime CPU: per collective step {us['collective_step_cpu_s']}, per collective call "
+                    f"{us['collective_call_cpu_s']}, per push_pull call {us['ps_call_s']}, "
+                    f"{us['ps_shared_call_s']} for a machine of several ranks and "
+                    f"{us['ps_local_call_s']} for each further local rank"
                 )
                 executor = Executor(topology, cluster)
                 runs = _job_samples(executor, ("mlp-mini", "encoder-mini"), 5 if quick else 10)

@@ -81,8 +81,9 @@ class _RecordingCluster:
 
 
 # Push_pulls: 0.23 ms per call on a machine of one rank (0.2 ms and 2 messages of 15 us); on machines of
-# three, the root 1.3 ms and the others 0.7 ms: 2.7 ms a machine, 1.035 ms more per further rank.
-_PS = {2: {"allreduce": 0.6e-3, "ps": 0.23e-3}}
+# two, the root 1.2 ms and the other 0.5 ms: 1.27 ms a machine beyond its calls and messages; on machines of
+# three, the root 1.3 ms and the others 0.7 ms: 2.07 ms. So 0.8 ms per further rank and 0.47 ms once.
+_PS = {2: {"allreduce": 0.6e-3, "ps": 0.23e-3}, 4: {"allreduce": 1.6e-3, "ps": [1.2e-3, 0.5e-3] * 2}}
 _PS_6 = [1.3e-3, 0.7e-3, 0.7e-3] * 2
 
 
@@ -95,26 +96,39 @@ def test_runtime_cpu_solves_rings_of_3_and_6_for_step_and_call_and_machine_sizes
             "collective_step_cpu_s": 0.2e-3,
             "collective_call_cpu_s": 0.2e-3,
             "ps_call_s": 0.2e-3,
-            "ps_local_call_s": 1.035e-3,
+            "ps_shared_call_s": 0.47e-3,
+            "ps_local_call_s": 0.8e-3,
         }
     )
     assert refs["collective_step_s"].value == pytest.approx(0.2e-3)
     assert refs["collective_call_s"].value == pytest.approx(0.2e-3)
     machines = [m["name"] for m in CALIBRATION_CLUSTER["machines"]]
-    (three, no_servers), (six, servers), (lone, lone_servers) = cluster.jobs
+    (three, no_servers), (six, servers), (lone, lone_servers), (pair, pair_servers) = cluster.jobs
     assert len(three) == 3 and {d.split(":")[0] for d in three} == {machines[0]} and no_servers == {}
     assert len(six) == 6 and servers == dict.fromkeys(machines, 1)
     assert lone == [f"{m}:0" for m in machines] and lone_servers == servers
+    assert pair == [f"{m}:{i}" for m in machines for i in range(2)] and pair_servers == servers
 
 
 def test_runtime_cpu_reading_under_zero_is_not_costed() -> None:
     # 1 ms per call on 3 ranks, 2.6 ms on 6: 0.267 ms per step, leaving -0.067 ms per call (noise); and
-    # machines of three ranks that cost no more than three lone ones.
-    per_call = {3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.6e-3, "ps": 0.2e-3}, **_PS}
+    # machines of two and three ranks that cost no more than as many lone ones.
+    per_call = {3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.6e-3, "ps": 0.19e-3}, **_PS}
+    per_call[4] = {"allreduce": 1.6e-3, "ps": 0.2e-3}
     measured, refs = measure_runtime_cpu(_RecordingCluster(per_call), calls=10, message_s=15e-6)
     assert measured["collective_call_cpu_s"] == 0.0 and refs["collective_call_s"].value < 0
     assert measured["collective_step_cpu_s"] == pytest.approx(1.6e-3 / 6)
-    assert measured["ps_local_call_s"] == 0.0 and measured["ps_call_s"] == pytest.approx(0.2e-3)
+    assert measured["ps_local_call_s"] == 0.0 and measured["ps_shared_call_s"] == 0.0
+    assert measured["ps_call_s"] == pytest.approx(0.2e-3)
+
+
+def test_runtime_cpu_leaves_a_root_cost_that_does_not_grow_to_the_machine() -> None:
+    # Machines of three that cost what machines of two do beyond their calls: no cost per further rank,
+    # the whole of it once per machine.
+    per_call = {3: {"allreduce": 1.0e-3}, 6: {"allreduce": 2.2e-3, "ps": [1.2e-3, 0.5e-3, 0.2e-3] * 2}, **_PS}
+    measured, _ = measure_runtime_cpu(_RecordingCluster(per_call), calls=10, message_s=15e-6)
+    assert measured["ps_local_call_s"] == 0.0
+    assert measured["ps_shared_call_s"] == pytest.approx(1.27e-3)
 
 
 @pytest.mark.timeout(120)

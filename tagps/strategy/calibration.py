@@ -27,17 +27,18 @@ that ends on an end of its range is a failure of the cost model, not a fit: the 
 the constant absorbed. :attr:`Calibration.at_bound` names those constants (it is also in the JSON).
 
 The CPU that communication takes from a machine's quota (:class:`~tagps.strategy.simulator.HostCpu`)
-comes from nine host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
-0 when not costed (a calibration without them predicts as before). Seven are measured by micro-benchmarks:
+comes from ten host-CPU constants, each with a meaning and a physical range too (:data:`HOST_CPU`), or
+0 when not costed (a calibration without them predicts as before). Eight are measured by micro-benchmarks:
 ``message_copies``, the memory passes per byte at ``memory_bandwidth`` that each side of a message costs
 (one side of a loopback TCP transfer), the summation kernel's ``sum_bandwidth``, the PS engine's CPU
 per message, ``message_overhead_s`` (a loopback server's), the CPU of one push_pull call on each worker
-rank, ``ps_call_s``, and what each local rank beyond a machine's first adds to it, ``ps_local_call_s``
-(the shared-memory reduction's coordination; back-to-back small push_pulls from machines of one rank and
-of three), and the CPU a rank's process consumes per ring step and per collective call,
-``collective_step_cpu_s`` and ``collective_call_cpu_s`` (back-to-back small all-reduces on the
-calibration cluster), which the simulator charges to the rank's machine quota so that ranks sharing a
-small quota are not predicted to burst at once. Two are what the runtimes add, fitted on whole jobs
+rank, ``ps_call_s``, what a machine of more than one rank adds once, ``ps_shared_call_s`` (its root's
+coordination of the shared-memory reduction), and what each local rank beyond a machine's first adds,
+``ps_local_call_s`` (back-to-back small push_pulls from machines of one rank, of two and of three), and
+the CPU a rank's process consumes per ring step and per collective call, ``collective_step_cpu_s`` and
+``collective_call_cpu_s`` (back-to-back small all-reduces on the calibration cluster), which the
+simulator charges to the rank's machine quota so that ranks sharing a small quota are not predicted to
+burst at once. Two are what the runtimes add, fitted on whole jobs
 (:func:`fit_runs`): ``collective_step_s``, the CPU of one ring step of a collective on each rank, and
 ``collective_call_s``, the CPU of launching one collective call (once per call, whatever the ring's
 size). Calibrations written before ``ps_local_call_s`` existed fitted ``ps_call_s`` on the jobs as well
@@ -204,6 +205,15 @@ class Calibration:
     ps_call_s: float = _host_cpu(
         "CPU time of one push_pull call (one tensor) on each worker rank, on one full core", 1e-6, 5e-3, "s"
     )
+    # A machine of several ranks: its root wakes for the others' slots and publishes the round, once per
+    # call (2026-12-06, bench/ps_call_cpu.py: a root of two ranks 462 us a call, a lone rank 207).
+    ps_shared_call_s: float = _host_cpu(
+        "CPU time per push_pull call of a machine of more than one local rank, once whatever their number "
+        "(its root's coordination of the shared-memory reduction), on one full core",
+        1e-6,
+        5e-3,
+        "s",
+    )
     # Each further local rank adds the shared-memory reduction's messages (a few per rank and call).
     ps_local_call_s: float = _host_cpu(
         "CPU time per push_pull call for each local rank beyond a machine's first (the shared-memory "
@@ -341,6 +351,7 @@ class Calibration:
             message_s=self.message_overhead_s,
             ps_call_s=self.ps_call_s,
             ps_local_call_s=self.ps_local_call_s,
+            ps_shared_call_s=self.ps_shared_call_s,
             collective_step_s=self.collective_step_s,
             collective_call_s=self.collective_call_s,
             collective_step_cpu_s=self.collective_step_cpu_s,
@@ -654,7 +665,8 @@ def fit_runs(start: Calibration, runs: Sequence[RunSample]) -> tuple[Calibration
     The links keep the constants their all-reduce probes measured (:func:`fit_comm`); what a training
     job adds on top is CPU: each ring step's work on every rank (``collective_step_s``, which a quota'd
     rank runs slowly) and launching each collective call (``collective_call_s``). A PS push_pull's CPU is
-    measured (``ps_call_s``, ``ps_local_call_s``, ``message_overhead_s``), so the PS jobs only check it.
+    measured (``ps_call_s``, ``ps_shared_call_s``, ``ps_local_call_s``, ``message_overhead_s``), so the PS
+    jobs only check it.
     The runs must hold rings of more than one size, or steps and calls cannot be told apart.
     Minimises the squared
     log ratio of the calibrated simulator's iteration time to the measured one over ``runs``, inside the

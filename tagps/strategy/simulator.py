@@ -114,6 +114,7 @@ _HOST_CPU_COSTS = (
     "message_s",
     "ps_call_s",
     "ps_local_call_s",
+    "ps_shared_call_s",
     "collective_step_s",
     "collective_call_s",
     "shm_copy_s_per_byte",
@@ -144,6 +145,10 @@ class HostCpu:
         ps_local_call_s: per push_pull call for each local rank beyond a machine's first: the shared-memory
             reduction's coordination (its messages between the ranks' processes, on them and on the
             machine's root), which a machine of one rank skips.
+        ps_shared_call_s: per push_pull call of a machine of more than one rank, once whatever their
+            number: its root's part of that coordination (waking for the others' slots, publishing the
+            round). With ``ps_local_call_s``, a machine of ``m > 1`` ranks pays
+            ``m ps_call_s + ps_shared_call_s + (m - 1) ps_local_call_s`` per call.
         collective_step_s: per step of a collective (one message each rank sends and receives in a ring
             step): the runtime's and the transport's CPU work. A rank runs it at the speed its quota
             leaves it (its device's share of a core when it computes all step long, more in bursts when
@@ -176,6 +181,7 @@ class HostCpu:
     shm_copy_s_per_byte: float = 0.0
     collective_step_cpu_s: float = 0.0
     collective_call_cpu_s: float = 0.0
+    ps_shared_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.core_flops < float("inf"):
@@ -1311,7 +1317,7 @@ class Simulator:
         .. math::
             t_s = \\frac{k S (2 c_{copy} + c_{sum}) + 2 k P c_{msg}}{q_s}, \\quad
             t_w = \\frac{S (2 c_{copy} + (m_w - 1) c_{sum}) + 2 P c_{msg}
-                + C (m_w c_{call} + (m_w - 1) c_{local})}{q_w}
+                + C (m_w c_{call} + [m_w > 1] c_{shared} + (m_w - 1) c_{local})}{q_w}
 
         A member on the server's own machine shares memory with it when :attr:`HostCpu.shm_copy_s_per_byte`
         is set (the runtime's default): its push is one copy into the region and its pull one copy out
@@ -1325,7 +1331,7 @@ class Simulator:
         host, cores = self.host_cpu, self._cpu_cores
         assert host is not None  # internal: only called with host_cpu set
         copy, summ, msg, call = host.copy_s_per_byte, host.sum_s_per_byte, host.message_s, host.ps_call_s
-        local = host.ps_local_call_s
+        local, shared_call = host.ps_local_call_s, host.ps_shared_call_s
         shm = host.shm_copy_s_per_byte
         shared = {w: bool(shm) and w == server for w in members}
         k = len(members)
@@ -1339,7 +1345,7 @@ class Simulator:
             if cores[w]:
                 side = shm if shared[w] else copy
                 own = nbytes * (2 * side + (m - 1) * summ) + 2 * partitions * msg
-                own += calls * (m * call + (m - 1) * local)
+                own += calls * (m * call + (m - 1) * local + (shared_call if m > 1 else 0.0))
                 busy.append((w, own / cores[w]))
         return server_s, busy
 

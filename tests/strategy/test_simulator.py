@@ -546,6 +546,7 @@ def test_calibration_host_cpu_constants_cost_ps_on_quotad_machines_and_default_t
         "message_overhead_s",
         "ps_call_s",
         "ps_local_call_s",
+        "ps_shared_call_s",
         "collective_step_s",
         "collective_call_s",
         "collective_step_cpu_s",
@@ -728,6 +729,16 @@ def test_every_rank_pays_its_push_pull_calls_and_further_ranks_their_local_reduc
     assert cpu["a/compute"] == pytest.approx(tensors * (2 * call + local) / 0.5)
     assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
     assert reducing.iteration_time > result.iteration_time
+    # And its root's coordination, once per call of a machine of several ranks.
+    shared = 2e-3
+    host = HostCpu(160e9, ps_call_s=call, ps_local_call_s=local, ps_shared_call_s=shared)
+    rooted = Simulator(base.graph, base.grouping, base.topology, host_cpu=host).evaluate(plan, trace=True)
+    cpu = {
+        r: sum(t.end - t.start for t in first_step(rooted) if t.category == "ps-cpu" and t.resource == r)
+        for r in ("a/compute", "b/compute")
+    }
+    assert cpu["a/compute"] == pytest.approx(tensors * (2 * call + local + shared) / 0.5)
+    assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
 
 
 def test_a_ps_call_pays_its_messages_and_not_a_collectives_launch():
