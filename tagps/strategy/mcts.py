@@ -11,7 +11,7 @@ An ``mp`` group carries the split the simulator costs (:meth:`Simulator.mp_assig
 
 The general search first runs the data-parallel search (same budget, same seed), seeds its own tree with
 that search's best plan and returns the faster of the two, so it is never predicted slower than the
-data-parallel search.
+data-parallel search; the general plan must be predicted :data:`GENERAL_MARGIN` faster to be preferred.
 
 Selection is PUCT:
 
@@ -87,6 +87,11 @@ OPTION_SLOTS = 4
 # worker's push of it, so few chunks per server pipeline badly, and each chunk costs messages' CPU (the
 # simulator does not price a message's latency: 256 KiB, the best measured on 1 Gbit/s links, is the least).
 PARTITION_CHOICES = (0, 1 << 20, 512 << 10, 256 << 10)
+# A general plan replaces the data-parallel one only when predicted this much faster: it runs through the
+# general executor (parts, activations between them), and a smaller gain lies inside the simulator's error.
+# Measured 2026-12-06 (bench/e2e_cluster.py): transformer-mini's general plan, the data-parallel one with
+# its embeddings duplicated, predicted 0.13 % faster, ran 16 % slower.
+GENERAL_MARGIN = 0.02
 MAX_ENUMERATED_GROUPS = 7  # all 2^n - 1 subsets up to here; above, a structured subset family
 ROOT_FPU = 1e6  # value of an admitted, untried root action: above any reward, so it is tried next
 # Passes of the refinement over every op group; a pass that changes nothing ends it sooner. Most gains come
@@ -781,10 +786,12 @@ def search(
 
 
 def _merge(dp: SearchResult, general: SearchResult) -> SearchResult:
-    """One result for both phases: the faster plan (the data-parallel one on a tie), counts summed."""
-    best = general if general.plan is not None and general.time_s < dp.time_s else dp
+    """One result for both phases: the faster plan (the data-parallel one unless the general one is
+    :data:`GENERAL_MARGIN` faster), counts summed."""
+    faster = general.plan is not None and general.time_s < dp.time_s * (1 - GENERAL_MARGIN)
+    best = general if faster or dp.plan is None else dp
     history = list(dp.history)
-    for iteration, t in general.history:
+    for iteration, t in general.history if best is general else ():
         if not history or t < history[-1][1]:
             history.append((dp.iterations + iteration, t))
     beat = dp.iters_to_beat_baseline

@@ -13,7 +13,16 @@ from strategy_builders import deep_mlp_graph, three_groups
 
 from tagps.strategy.baselines import dp_nccl
 from tagps.strategy.grouping import group_ops
-from tagps.strategy.mcts import Action, SearchConfig, _Search, candidate_actions, search
+from tagps.strategy.mcts import (
+    GENERAL_MARGIN,
+    Action,
+    SearchConfig,
+    SearchResult,
+    _merge,
+    _Search,
+    candidate_actions,
+    search,
+)
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Topology
 
@@ -220,3 +229,17 @@ def test_refinement_of_a_data_parallel_search_stays_data_parallel(sim: Simulator
     assert result.plan is not None and result.plan.kind == "data-parallel"
     assert len({g.placement for g in result.plan.groups}) == 1
     assert {g.option for g in result.plan.groups} <= {"allreduce", "ps"}
+
+
+def _phase(plan: str, time_s: float, iterations: int = 10) -> SearchResult:
+    return SearchResult(plan, time_s, "dp-nccl", 1.0, iterations, iterations, 0.1, 1, [(1, time_s)])
+
+
+def test_a_general_plan_needs_the_margin_to_replace_the_data_parallel_one() -> None:
+    dp = _phase("dp", 0.100)
+    close = _merge(dp, _phase("general", 0.100 * (1 - GENERAL_MARGIN / 2)))
+    assert close.plan == "dp" and close.time_s == 0.100 and close.history == [(1, 0.100)]
+    assert close.iterations == 20  # both phases counted
+    faster = _merge(dp, _phase("general", 0.100 * (1 - 2 * GENERAL_MARGIN)))
+    assert faster.plan == "general" and faster.history == [(1, 0.100), (11, pytest.approx(0.096))]
+    assert _merge(_phase(None, math.inf), _phase("general", 0.5)).plan == "general"
