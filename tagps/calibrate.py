@@ -460,8 +460,13 @@ def measure_runtime_cpu(
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runtime-cpu.json")
         argv = probe_argv(out, calls, "--runtime-cpu-probe")
-        jobs = (("3", devices[:3], {}), ("6", devices, servers), ("lone", lone, servers))
-        for label, ranks, s in (*jobs, ("pair", pairs, servers)):
+        jobs = (
+            ("3", devices[:3], {}),
+            ("6", devices, servers),
+            ("lone", lone, servers),
+            ("pair", pairs, servers),
+        )
+        for label, ranks, s in jobs:
             _run_logged(
                 lambda log, d=ranks, s=s: cluster.run(argv, devices=d, servers=s, out=log),
                 f"runtime CPU probe on {', '.join(ranks)}",
