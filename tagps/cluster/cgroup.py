@@ -1,14 +1,17 @@
 """CPU quotas for emulated machines: one CPU cgroup per machine (cgroup v2 ``cpu.max`` or v1 CFS quota).
 
-A quota of ``c`` cores lets the cgroup's processes run ``c * period`` microseconds per ``period`` in all;
-that is how a "machine" of a :mod:`tagps.cluster` is made slower than another on one host. The period is
-the shortest the kernel allows (``1 ms / c``, for a quota of its 1 ms minimum; 1 ms from one core up)
-because a quota is a burst allowance, not a speed: a machine idle for a while runs at full speed until the
-period's quota is spent, where a machine of that speed would run slowly all along. With the kernel's
-default 100 ms period a 0.35-core machine that waited on the network ran 35 ms at a whole core, so a
-pipelined plan whose machines take turns ran up to a third faster than machines of that speed would, and
-a step that met the end of a period's quota waited for the next one (bimodal step times: 0.21 and 0.28 s
-alternating in one run); with 10 ms periods each burst still gained up to ``(1 - c) * 10 ms``.
+A quota of ``c`` cores lets the cgroup's processes run ``c * period`` microseconds per ``period`` (10 ms,
+longer only where ``c * 10 ms`` would be under the kernel's 1 ms minimum quota) in all; that is how a
+"machine" of a :mod:`tagps.cluster` is made slower than another on one host. The period is short because a
+quota is a burst allowance, not a speed: a machine idle for a while runs at full speed until the period's
+quota is spent. With the kernel's default 100 ms period a 0.35-core machine that waited on the network ran
+35 ms at a whole core, so a pipelined plan whose machines take turns ran up to a third faster than machines
+of that speed would, and a step that met the end of a period's quota waited for the next one (bimodal step
+times: 0.21 and 0.28 s alternating in one run). 10 ms periods keep bursts within one op's time. The
+kernel's shortest (``1 ms / c``) was tried and dropped: it cut the bursts (a 5 ms burst of CPU after
+idling at 0.35 cores took 11 ms of wall against 7 at 10 ms) but a busy machine then got less than its
+quota (transformer-mini's steps 18 % slower at 8 % more CPU a step), which the simulator's probes miss
+(docs/simulator.md, Known limits).
 Cgroups are named ``tagps-<k>-<machine>`` like the machine's namespace, so :func:`remove_all` finds
 exactly the project's own after a crash. A process enters its cgroup before it execs its command
 (``python -m tagps.cluster.cgroup CGROUP -- CMD``), so everything it forks later is held too.
@@ -29,9 +32,10 @@ from pathlib import Path
 
 from tagps.cluster.netns import PREFIX, ClusterError
 
-__all__ = ["CpuCgroup", "cgroup_root", "create", "join_argv", "remove_all"]
+__all__ = ["CPU_PERIOD_US", "CpuCgroup", "cgroup_root", "create", "join_argv", "remove_all"]
 
-_MIN_US = 1_000  # the kernel's smallest CFS period and quota
+CPU_PERIOD_US = 10_000
+_MIN_QUOTA_US = 1_000  # the kernel's smallest cfs quota
 _ROOT = Path("/sys/fs/cgroup")
 
 
@@ -106,8 +110,8 @@ def create(name: str, cores: float) -> CpuCgroup:
         raise ValueError(f"cores must be > 0, got {cores}")
     root, version = cgroup_root()
     path = root / name
-    period = max(_MIN_US, math.ceil(_MIN_US / cores))
-    quota = max(_MIN_US, round(cores * period))
+    period = max(CPU_PERIOD_US, math.ceil(_MIN_QUOTA_US / cores))
+    quota = max(_MIN_QUOTA_US, round(cores * period))
     if version == 2:
         subtree = root / "cgroup.subtree_control"
         if "cpu" not in subtree.read_text().split():

@@ -46,7 +46,7 @@ __all__ = [
 # The field of run_plan's result that a prediction is compared with: the mean step time (the throughput).
 # The simulator predicts the steady period of consecutive steps, which the mean measures; a median of a
 # few steps on a quota'd machine moves with where the CFS periods' ends fall (bimodal steps under the
-# kernel's 100 ms period; tagps.cluster.cgroup now uses the shortest period the kernel allows).
+# kernel's 100 ms period; tagps.cluster.cgroup now uses 10 ms).
 MEASURED_STEP = "mean_step_s"
 DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
 # DistributedDataParallel's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) closes at 1 MiB.
