@@ -8,6 +8,7 @@ instead of blocking until ``TAGPS_DIST_TIMEOUT``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -26,6 +27,7 @@ __all__ = [
     "raise_if_failed",
     "report_failure",
     "timed_out",
+    "wait_sliced",
     "wait_work",
 ]
 
@@ -71,6 +73,19 @@ def raise_if_failed() -> None:
     """Raise the reported failure, if any."""
     if _failure is not None:
         raise PeerFailed(_failure)
+
+
+def wait_sliced(
+    done: Callable[[float], bool], timeout: float, timed_out_error: Callable[[], Exception]
+) -> None:
+    """Call ``done(WAIT_SLICE_S)`` (a wait of at most that many seconds that says whether it finished) until
+    it returns true; between slices raise a reported peer failure, and ``timed_out_error()`` once
+    ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while not done(WAIT_SLICE_S):
+        raise_if_failed()
+        if time.monotonic() >= deadline:
+            raise timed_out_error()
 
 
 def wait_work(work: Waitable) -> object:

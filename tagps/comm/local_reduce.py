@@ -63,6 +63,7 @@ from tagps.comm.handle import (
     Waitable,
     raise_if_failed,
     timed_out,
+    wait_sliced,
 )
 from tagps.tag_pipe import open_tag_pipe, read_tags
 
@@ -112,11 +113,7 @@ class ReductionFuture:
         return self._event.is_set()
 
     def wait(self) -> None:
-        deadline = time.monotonic() + self._timeout
-        while not self._event.wait(WAIT_SLICE_S):
-            raise_if_failed()
-            if time.monotonic() >= deadline:
-                raise self._timed_out()
+        wait_sliced(self._event.wait, self._timeout, self._timed_out)
         self._raise_error()
 
     def _timed_out(self) -> RuntimeError:
@@ -155,24 +152,26 @@ class _SmallRound(ReductionFuture):
     def wait(self) -> None:
         if self._finished:
             return
-        deadline = time.monotonic() + self._timeout
         try:
-            while not self._event.is_set():
-                state = self._arena.wait_done(self._seq, WAIT_SLICE_S)
-                if state == DONE:
-                    self._arena.read_result(self._tensor)
-                    self._finished = True
-                    return
-                if state == FAILED:  # the root's "fail", with its reason, follows on the socket
-                    if not self._event.wait(1.0):
-                        raise RuntimeError(f"reduction of {self._name!r} failed: the local root failed")
-                    break
-                raise_if_failed()
-                if time.monotonic() >= deadline:
-                    raise self._timed_out()
-            self._raise_error()
+            wait_sliced(self._wait_slice, self._timeout, self._timed_out)
+            if not self._finished:
+                self._raise_error()
         finally:
             self._on_end()
+
+    def _wait_slice(self, seconds: float) -> bool:
+        if self._event.is_set():  # the service thread's "fail"
+            return True
+        state = self._arena.wait_done(self._seq, seconds)
+        if state == DONE:
+            self._arena.read_result(self._tensor)
+            self._finished = True
+            return True
+        if state == FAILED:  # the root's "fail", with its reason, follows on the socket
+            if not self._event.wait(1.0):
+                raise RuntimeError(f"reduction of {self._name!r} failed: the local root failed")
+            return True
+        return False
 
 
 @dataclass

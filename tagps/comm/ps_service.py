@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import numbers
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tagps.comm import collectives
-from tagps.comm.handle import WAIT_SLICE_S, Waitable, raise_if_failed, timed_out
+from tagps.comm.handle import Waitable, timed_out, wait_sliced
 from tagps.comm.local_reduce import LocalReducer
 from tagps.config import CommConfig, server_optimizer_config
 
@@ -61,15 +60,15 @@ class _ClientWork:
         self._handle.notify(fd, tag)
 
     def wait(self) -> None:
-        deadline = time.monotonic() + self._timeout
-        while True:
-            try:
-                self._client.wait(self._handle, WAIT_SLICE_S)
-                return
-            except TimeoutError:
-                raise_if_failed()
-                if time.monotonic() >= deadline:
-                    raise timed_out(f"push_pull of {self._name!r}", self._timeout) from None
+        what = f"push_pull of {self._name!r}"
+        wait_sliced(self._wait_slice, self._timeout, lambda: timed_out(what, self._timeout))
+
+    def _wait_slice(self, seconds: float) -> bool:
+        try:
+            self._client.wait(self._handle, seconds)
+        except TimeoutError:
+            return False
+        return True
 
 
 class _FutureWork:
