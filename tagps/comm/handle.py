@@ -76,15 +76,22 @@ def raise_if_failed() -> None:
 
 
 def wait_sliced(
-    done: Callable[[float], bool], timeout: float, timed_out_error: Callable[[], Exception]
+    done: Callable[[float], bool],
+    timeout: float | None = None,
+    timed_out_error: Callable[[], Exception] | None = None,
 ) -> None:
-    """Call ``done(WAIT_SLICE_S)`` (a wait of at most that many seconds that says whether it finished) until
-    it returns true; between slices raise a reported peer failure, and ``timed_out_error()`` once
-    ``timeout`` seconds have passed."""
-    deadline = time.monotonic() + timeout
+    """Call ``done(WAIT_SLICE_S)`` until it returns true, raising a reported peer failure between slices.
+
+    Args:
+        done: a wait of at most the given seconds that says whether it finished.
+        timeout: seconds after which ``timed_out_error()`` is raised; ``None`` waits without a deadline.
+        timed_out_error: builds the error of a timed-out wait; required when ``timeout`` is given.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
     while not done(WAIT_SLICE_S):
         raise_if_failed()
-        if time.monotonic() >= deadline:
+        if deadline is not None and time.monotonic() >= deadline:
+            assert timed_out_error is not None, "a timeout needs a timed_out_error"
             raise timed_out_error()
 
 
@@ -100,8 +107,7 @@ def wait_work(work: Waitable) -> object:
     if get_future is not None and not work.is_completed():
         done = threading.Event()
         get_future().add_done_callback(lambda _: done.set())
-        while not done.wait(WAIT_SLICE_S):
-            raise_if_failed()
+        wait_sliced(done.wait)  # no deadline here: the process group's TAGPS_DIST_TIMEOUT ends the work
     try:
         return work.wait()
     except PeerFailed:
