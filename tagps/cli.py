@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
+
 def _run_demo(args: argparse.Namespace) -> int:
     from tagps.cluster.demo import demo
 
@@ -65,12 +66,16 @@ def _run_cluster_down(args: argparse.Namespace) -> int:
 
 def _print_cluster(cluster: Cluster, topology: Topology) -> None:
     print(f"cluster {cluster.spec.name}: {len(cluster.spec.machines)} machines on {cluster.network.bridge}")
-    print(f"{'machine':<10} {'address':<15} {'netns':<22} {'workers':>7} {'servers':>7} {'cpu':>6} "
-          f"{'Mbit/s':>8}")
+    print(
+        f"{'machine':<10} {'address':<15} {'netns':<22} {'workers':>7} {'servers':>7} {'cpu':>6} "
+        f"{'Mbit/s':>8}"
+    )
     for m in cluster.spec.machines:
-        print(f"{m.name:<10} {cluster.address(m.name):<15} {cluster.network.node(m.name).netns:<22} "
-              f"{m.workers:>7} {m.servers:>7} {m.cpu if m.cpu is not None else '-':>6} "
-              f"{m.rate_mbit if m.rate_mbit is not None else '-':>8}")
+        print(
+            f"{m.name:<10} {cluster.address(m.name):<15} {cluster.network.node(m.name).netns:<22} "
+            f"{m.workers:>7} {m.servers:>7} {m.cpu if m.cpu is not None else '-':>6} "
+            f"{m.rate_mbit if m.rate_mbit is not None else '-':>8}"
+        )
     print("measured:")
     print(topology.describe())
 
@@ -94,8 +99,10 @@ def _run_cluster_up(args: argparse.Namespace) -> int:
         cluster.down()
         raise
     _print_cluster(cluster, topology)
-    print(f"topology written to {path}; `tagps cluster run {args.spec} -- CMD` runs a job, "
-          "`tagps cluster down` removes it")
+    print(
+        f"topology written to {path}; `tagps cluster run {args.spec} -- CMD` runs a job, "
+        "`tagps cluster down` removes it"
+    )
     return 0
 
 
@@ -161,9 +168,12 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_calibration(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--calibration", metavar="FILE",
-                   help="simulate with the constants of this calibration (`python -m tagps.calibrate` writes "
-                   "one; see docs/cluster.md); default: the topology's and device table's own")
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="simulate with the constants of this calibration (`python -m tagps.calibrate` writes "
+        "one; see docs/cluster.md); default: the topology's and device table's own",
+    )
 
 
 def _load_calibration(args: argparse.Namespace) -> Calibration | None:
@@ -229,8 +239,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate one training iteration of a strategy")
     p.add_argument("--model", help="reference model (see tagps.models.MODELS), needed with a baseline")
     p.add_argument("--topology", default="paper-testbed", help="preset, random:<seed> or a YAML/JSON file")
-    p.add_argument("--strategy", default="dp-nccl",
-                   help="dp-nccl, dp-nccl-p, horovod-like, byteps-like or a plan file")
+    p.add_argument(
+        "--strategy", default="dp-nccl", help="dp-nccl, dp-nccl-p, horovod-like, byteps-like or a plan file"
+    )
     p.add_argument("--batch", type=int, default=0, help="global batch size (default: the model's)")
     p.add_argument("--groups", type=int, default=60, help="op groups for baselines (METIS)")
     p.add_argument("--trace", help="write a Chrome trace (chrome://tracing, Perfetto) to this file")
@@ -271,8 +282,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         cal = _load_calibration(args)
         budget = parse_budget(args.budget)
         config = SearchConfig(
-            iterations=budget.iterations, seconds=budget.seconds, seed=args.seed,
-            data_parallel=args.data_parallel, sfb=not args.no_sfb,
+            iterations=budget.iterations,
+            seconds=budget.seconds,
+            seed=args.seed,
+            data_parallel=args.data_parallel,
+            sfb=not args.no_sfb,
         )
         topology = load_topology(args.topology)
         if args.batch:
@@ -319,9 +333,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"tagps plan: no plan fits in memory after {result.iterations} iterations", file=sys.stderr)
         return 1
     print(summary(result.plan, sim))
-    print(f"search: {result.iterations} iterations, {result.evaluations} simulations, "
-          f"{result.seconds:.1f} s, prior {args.prior}"
-          + (f", calibration {args.calibration}" if cal is not None else ""))
+    print(
+        f"search: {result.iterations} iterations, {result.evaluations} simulations, "
+        f"{result.seconds:.1f} s, prior {args.prior}"
+        + (f", calibration {args.calibration}" if cal is not None else "")
+    )
     # The file names the given topology (the runtime's); a calibrated search ran on its calibrated copy.
     dataclasses.replace(result.plan, topology=topology).save(args.output)
     print(f"plan written to {args.output}")
@@ -338,8 +354,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of METIS and the search")
     p.add_argument("--prior", choices=("gnn", "uniform"), default="gnn", help="MCTS prior")
     p.add_argument("--weights", help="GNN weights (default: the shipped ones)")
-    p.add_argument("--data-parallel", action="store_true",
-                   help="only plans the first runtime executes (every group on the same devices)")
+    p.add_argument(
+        "--data-parallel",
+        action="store_true",
+        help="only plans the first runtime executes (every group on the same devices)",
+    )
     p.add_argument("--no-sfb", action="store_true", help="skip the SFB solver")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
@@ -384,8 +403,14 @@ def _run_profile(args: argparse.Namespace) -> int:
         if args.repeats < 1:
             raise ValueError("--repeats must be >= 1")
         profile = build_profile(
-            args.model, args.device, batches, args.repeats, args.device_type, args.threads or None,
-            progress=not args.quiet, processes=args.processes,
+            args.model,
+            args.device,
+            batches,
+            args.repeats,
+            args.device_type,
+            args.threads or None,
+            progress=not args.quiet,
+            processes=args.processes,
         )
         path = Path(args.output) if args.output else profile_path(profile.model, profile.device_type)
         profile.save(path)
@@ -399,8 +424,10 @@ def _run_profile(args: argparse.Namespace) -> int:
     graph = model_graph(profile.model)
     one = Topology("profiled", (DeviceGroup("device", profile.device_type, 1, 1.0),), 1.0)
     roofline = Simulator(graph, grouping_from_names(graph, [[op.name for op in graph.ops]]), one, profiles={})
-    print(f"profiled {profile.model} on {profile.device_type} ({profile.host['device']}), "
-          f"{len(profile.ops)} ops, forward + backward summed:")
+    print(
+        f"profiled {profile.model} on {profile.device_type} ({profile.host['device']}), "
+        f"{len(profile.ops)} ops, forward + backward summed:"
+    )
     print(f"{'batch':>6} {'measured ms':>12} {'fitted ms':>10} {'whole pass ms':>14} {'roofline ms':>12}")
     for k, b in enumerate(profile.batch_sizes):
         measured = sum(op.fwd_s[k] + op.bwd_s[k] for op in profile.ops)
@@ -418,23 +445,37 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "profile", help="time every op of a model, forward and backward, on this CPU or GPU at a few batch "
+        "profile",
+        help="time every op of a model, forward and backward, on this CPU or GPU at a few batch "
         "sizes; the simulator then uses the profile instead of its roofline for that device type",
     )
     p.add_argument("--model", required=True, help="reference model (see tagps.models.MODELS)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="local device to time on")
-    p.add_argument("--device-type",
-                   help="device-table row the profile describes (default: CPU, or the GPU's row by its name)")
+    p.add_argument(
+        "--device-type",
+        help="device-table row the profile describes (default: CPU, or the GPU's row by its name)",
+    )
     p.add_argument("--batches", default="1,8,32", help="batch sizes, comma separated (default 1,8,32)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per op; the fastest counts (default 5)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: a CPU device is one single-threaded worker; 0: torch's)")
-    p.add_argument("--processes", type=int, default=1,
-                   help="profile in this many fresh processes one after another and keep each time's median "
-                   "(a shared host gives each process its own speed; default 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: a CPU device is one single-threaded worker; 0: torch's)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="profile in this many fresh processes one after another and keep each time's median "
+        "(a shared host gives each process its own speed; default 1)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("-o", "--output",
-                   help="where to write it (default: TAGPS_CACHE_DIR/profiles/<model>.<device type>.json)")
+    p.add_argument(
+        "-o",
+        "--output",
+        help="where to write it (default: TAGPS_CACHE_DIR/profiles/<model>.<device type>.json)",
+    )
     p.set_defaults(func=_run_profile)
 
 

@@ -619,8 +619,17 @@ class _Search:
         plan, t = self.finish()
         samples = self.samples(root) if self.keep_samples else []
         return SearchResult(
-            plan, t, self.baseline, self.baseline_time, it, self.evaluations,
-            time.perf_counter() - start, beat, history, samples, self.ctx if self.keep_samples else None,
+            plan,
+            t,
+            self.baseline,
+            self.baseline_time,
+            it,
+            self.evaluations,
+            time.perf_counter() - start,
+            beat,
+            history,
+            samples,
+            self.ctx if self.keep_samples else None,
         )
 
     def refine(self, start: float) -> bool:
@@ -798,7 +807,15 @@ def _merge(dp: SearchResult, general: SearchResult) -> SearchResult:
     if beat is None and general.iters_to_beat_baseline is not None:
         beat = dp.iterations + general.iters_to_beat_baseline
     return SearchResult(
-        best.plan, best.time_s, general.baseline, general.baseline_time_s,
-        dp.iterations + general.iterations, dp.evaluations + general.evaluations,
-        dp.seconds + general.seconds, beat, history, general.samples, general.context,
+        best.plan,
+        best.time_s,
+        general.baseline,
+        general.baseline_time_s,
+        dp.iterations + general.iterations,
+        dp.evaluations + general.evaluations,
+        dp.seconds + general.seconds,
+        beat,
+        history,
+        general.samples,
+        general.context,
     )
