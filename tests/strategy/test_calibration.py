@@ -23,7 +23,7 @@ from tagps.strategy.calibration import (
     single_device_time,
 )
 from tagps.strategy.devices import DeviceType
-from tagps.strategy.graph import extract_graph
+from tagps.strategy.graph import Graph, extract_graph
 from tagps.strategy.grouping import group_ops
 from tagps.strategy.simulator import Simulator
 from tagps.strategy.topology import DeviceGroup, Link, Topology
@@ -35,7 +35,7 @@ MEASURED = dataclasses.replace(CAL, message_overhead_s=15e-6, ps_call_s=200e-6, 
 JOB_TRUTH = dataclasses.replace(MEASURED, collective_step_s=200e-6, collective_call_s=300e-6)
 
 
-def _graph(width: int) -> object:
+def _graph(width: int) -> Graph:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.Linear(width, 10))
     return extract_graph(model, (torch.empty(1, 64, device="meta"),), f"mlp{width}")
@@ -214,27 +214,42 @@ def test_calibrated_simulator_predicts_plans_of_the_measured_topology() -> None:
 BASELINE_NAMES = ("dp-nccl", "byteps-like")
 
 
-def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
+def _quota_jobs(truth: Calibration, graph: Graph, *, plans_on_measured: bool) -> list[RunSample]:
+    """Jobs of ``graph`` on a quota'd two-machine topology, "measured" with ``truth``: the baselines and a's
+    two devices alone, each without and with 1 MiB fusion.
+
+    Args:
+        truth: the constants the jobs' times are simulated with.
+        graph: the model the jobs train.
+        plans_on_measured: make the plans on the measured topology, so that they name it as the runtime's
+            do; otherwise on ``truth``'s calibrated one.
+    """
     from tagps.strategy.baselines import BASELINES, data_parallel_plan
     from tagps.strategy.plan import CommSettings
 
-    graph = _graph(256)
     grouping = group_ops(graph, 3)
     groups = tuple(
         DeviceGroup(n, "CPU", k, 40.0, peak_flops=100e9 * q) for n, k, q in (("a", 2, 0.5), ("b", 1, 0.25))
     )
     # 10 Gbps links, so that a PS step is bound by the ranks' CPU (the constants fitted) and not the wire.
     topo = Topology("quota", groups, 10.0)
-    truth = JOB_TRUTH
+    sim = truth.simulator(graph, grouping, topo)
+    planner = Simulator(graph, grouping, topo) if plans_on_measured else sim
     runs = []
     for fusion in (0, 1 << 20):
-        sim = truth.simulator(graph, grouping, topo)
         comm = CommSettings(True, fusion)
-        plans = {name: dataclasses.replace(BASELINES[name](sim, 16), comm=comm) for name in BASELINE_NAMES}
+        plans = {
+            name: dataclasses.replace(BASELINES[name](planner, 16), comm=comm) for name in BASELINE_NAMES
+        }
         # A ring of another size (a's two devices alone), so that steps and calls can be told apart.
-        plans["a alone"] = data_parallel_plan(sim, 16, {"a:0": 8, "a:1": 8, "b:0": 0}, comm=comm)
+        plans["a alone"] = data_parallel_plan(planner, 16, {"a:0": 8, "a:1": 8, "b:0": 0}, comm=comm)
         for name, plan in plans.items():
             runs.append(RunSample(f"{name}/{fusion}", graph, grouping, topo, plan, truth.evaluate(sim, plan)))
+    return runs
+
+
+def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
+    runs = _quota_jobs(JOB_TRUTH, _graph(256), plans_on_measured=False)
     fitted, error = fit_runs(MEASURED, runs)
     assert error < 1e-3
     assert fitted.collective_step_s == pytest.approx(200e-6, rel=0.05)
@@ -247,29 +262,10 @@ def test_fit_runs_recovers_the_runtimes_cpu_constants_from_jobs() -> None:
 
 
 def _recorded_jobs(truth: Calibration) -> list[RunSample]:
-    """Jobs of registry model mlp-mini on a quota'd two-machine topology, "measured" with ``truth``."""
-    from tagps.strategy.baselines import BASELINES, data_parallel_plan
+    """Jobs of registry model mlp-mini, planned on the measured topology as the runtime's are."""
     from tagps.strategy.graph import model_graph
-    from tagps.strategy.plan import CommSettings
 
-    graph = model_graph("mlp-mini")
-    grouping = group_ops(graph, 3)
-    groups = tuple(
-        DeviceGroup(n, "CPU", k, 40.0, peak_flops=100e9 * q) for n, k, q in (("a", 2, 0.5), ("b", 1, 0.25))
-    )
-    topo = Topology("quota", groups, 10.0)
-    sim = truth.simulator(graph, grouping, topo)
-    measured = Simulator(graph, grouping, topo)  # plans name the measured topology, as the runtime's do
-    runs = []
-    for fusion in (0, 1 << 20):
-        comm = CommSettings(True, fusion)
-        plans = {
-            name: dataclasses.replace(BASELINES[name](measured, 16), comm=comm) for name in BASELINE_NAMES
-        }
-        plans["a alone"] = data_parallel_plan(measured, 16, {"a:0": 8, "a:1": 8, "b:0": 0}, comm=comm)
-        for name, plan in plans.items():
-            runs.append(RunSample(f"{name}/{fusion}", graph, grouping, topo, plan, truth.evaluate(sim, plan)))
-    return runs
+    return _quota_jobs(truth, model_graph("mlp-mini"), plans_on_measured=True)
 
 
 def test_a_calibration_records_its_jobs_and_refits_on_them_from_the_file(tmp_path: Path) -> None:
