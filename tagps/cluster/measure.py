@@ -2,10 +2,11 @@
 
 ``python -m tagps.cluster.measure serve HOST PORT`` accepts two connections: on the first it echoes
 64-byte messages (the round trip), on the second it counts the bytes the client streams and answers with
-the goodput from the first to the last byte. ``python -m tagps.cluster.measure probe HOST PORT SECONDS``
-is that client; it prints one JSON line ``{"rtt_s": ..., "bandwidth_Bps": ...}``. The cluster runs the
-server in one machine's namespace and cgroup and the client in another's (:func:`measure_pair`), so the
-figures include the ``tc`` limits, the kernel's TCP stack and the machines' CPU quotas.
+the goodput from the first to the last byte and the CPU it took to receive them.
+``python -m tagps.cluster.measure probe HOST PORT SECONDS`` is that client; it prints one JSON line
+``{"rtt_s": ..., "bandwidth_Bps": ..., "rx_cpu_cores": ...}``. The cluster runs the server in one machine's
+namespace and cgroup and the client in another's (:func:`measure_pair`), so the figures include the ``tc``
+limits, the kernel's TCP stack and the machines' CPU quotas.
 
 :func:`measure_core` measures the core this process runs on: the references the roofline's fitted
 efficiencies are fractions of (``python -m tagps.calibrate``) and a local executor's device speed.
@@ -13,6 +14,7 @@ efficiencies are fractions of (``python -m tagps.calibrate``) and a local execut
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import statistics
@@ -39,10 +41,13 @@ class LinkMeasurement:
     Args:
         rtt_s: median round trip of a 64-byte message in seconds.
         bandwidth_Bps: TCP goodput in bytes/s, from the first to the last byte received.
+        rx_cpu_cores: the CPU the receiving process took meanwhile, in cores (its CPU seconds over those
+            seconds): what receiving at the link's rate costs the receiver.
     """
 
     rtt_s: float
     bandwidth_Bps: float
+    rx_cpu_cores: float
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -71,14 +76,17 @@ def serve(host: str, port: int, timeout_s: float = 60.0) -> None:
         conn, _ = srv.accept()
         with conn:
             conn.settimeout(timeout_s)
-            total, first, last = 0, 0.0, 0.0
-            while data := conn.recv(_CHUNK):
-                last = time.perf_counter()
+            # Into one buffer, as the runtime receives into its tensors: no allocation per read.
+            buf = memoryview(bytearray(_CHUNK))
+            total, first, last, cpu_first, cpu_last = 0, 0.0, 0.0, 0.0, 0.0
+            while n := conn.recv_into(buf):
+                last, cpu_last = time.perf_counter(), time.process_time()
                 if not total:
-                    first = last
-                total += len(data)
+                    first, cpu_first = last, cpu_last
+                total += n
             seconds = last - first
-            conn.sendall(json.dumps({"bytes": total, "seconds": seconds}).encode())
+            reply = {"bytes": total, "seconds": seconds, "cpu_s": cpu_last - cpu_first}
+            conn.sendall(json.dumps(reply).encode())
 
 
 def probe(host: str, port: int, seconds: float) -> LinkMeasurement:
@@ -107,7 +115,9 @@ def probe(host: str, port: int, seconds: float) -> LinkMeasurement:
     result = json.loads(reply)
     if result["seconds"] <= 0:
         raise RuntimeError(f"goodput probe to {host}:{port} received too little data: {result}")
-    return LinkMeasurement(statistics.median(rtts), result["bytes"] / result["seconds"])
+    return LinkMeasurement(
+        statistics.median(rtts), result["bytes"] / result["seconds"], result["cpu_s"] / result["seconds"]
+    )
 
 
 def measure_pair(
@@ -150,7 +160,7 @@ def measure_pair(
                 raise RuntimeError(f"link probe to {host}:{port} failed: {client.stderr.strip()}")
             data = json.loads(client.stdout)
             server.wait(timeout=30)
-            return LinkMeasurement(data["rtt_s"], data["bandwidth_Bps"])
+            return LinkMeasurement(data["rtt_s"], data["bandwidth_Bps"], data["rx_cpu_cores"])
         finally:
             if server.poll() is None:
                 server.kill()
@@ -192,7 +202,7 @@ def _main(argv: Sequence[str]) -> None:
         serve(argv[1], int(argv[2]))
     elif len(argv) == 4 and argv[0] == "probe":
         m = probe(argv[1], int(argv[2]), float(argv[3]))
-        print(json.dumps({"rtt_s": m.rtt_s, "bandwidth_Bps": m.bandwidth_Bps}))
+        print(json.dumps(dataclasses.asdict(m)))
     else:
         raise SystemExit("usage: python -m tagps.cluster.measure serve HOST PORT | probe HOST PORT SECONDS")
 

@@ -47,9 +47,13 @@ _MAX_NETWORKS = NETWORK.num_addresses // 256  # one /24 per network: 512
 _MAX_NODES = 254
 _NODE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 _LOCK = "/run/lock/tagps-cluster.lock"
-# Token bucket shape: a bucket of 1 ms at line rate (at least 64 KiB, enough for a GSO burst) and a queue
-# that holds 20 ms at line rate, roughly a switch port's buffer.
-_BURST_S, _MIN_BURST_BYTES, _QUEUE_S = 0.001, 65536, 0.020
+# Token bucket shape: a bucket of 1 ms at line rate and a queue that holds 20 ms at line rate, roughly a
+# switch port's buffer. The bucket holds at least two whole GSO packets (64 KiB of payload; tbf counts
+# each segment's headers too, about 68 KiB): tbf cuts a packet larger than its bucket into MTU-sized
+# segments, and the receiver then pays its TCP stack per 1500-byte packet. With 64 KiB (the bucket of
+# every link under 525 Mbit/s until 2026-12-07) receiving at 200-500 Mbit/s took 0.2-0.6 of a core on
+# this 2-core host (8-20 ns a byte, near a small quota's whole share), against 0.02-0.05 now.
+_BURST_S, _MIN_BURST_BYTES, _QUEUE_S = 0.001, 131072, 0.020
 
 
 class ClusterError(RuntimeError):
