@@ -85,13 +85,14 @@ def wait_sliced(
     Args:
         done: a wait of at most the given seconds that says whether it finished.
         timeout: seconds after which ``timed_out_error()`` is raised; ``None`` waits without a deadline.
-        timed_out_error: builds the error of a timed-out wait; required when ``timeout`` is given.
+        timed_out_error: builds the error of a timed-out wait; given exactly when ``timeout`` is.
     """
+    if (timeout is None) != (timed_out_error is None):
+        raise TypeError("wait_sliced: give timeout and timed_out_error together, or neither")
     deadline = None if timeout is None else time.monotonic() + timeout
     while not done(WAIT_SLICE_S):
         raise_if_failed()
-        if deadline is not None and time.monotonic() >= deadline:
-            assert timed_out_error is not None, "a timeout needs a timed_out_error"
+        if deadline is not None and timed_out_error is not None and time.monotonic() >= deadline:
             raise timed_out_error()
 
 
