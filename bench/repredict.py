@@ -1,6 +1,6 @@
 """Re-predict the runs of a committed ``bench/e2e_cluster.py`` result with the simulator as it is now.
 
-Usage: python bench/repredict.py [RESULT_JSON] [--calibration FILE] [--profiles DIR] [--refit]
+Usage: python bench/repredict.py [RESULT_JSON] [--calibration FILE] [--profiles DIR] [--refit] [--quota-share]
 
 The fast way to iterate on the cost model: the measured step times, the plans (with the measured topology
 inside them) and the calibration are all in the result and its ``*-plans/`` folder, so a change to the
@@ -14,12 +14,17 @@ profile's. A result that records the median of its measured inputs (``median_inp
 the profiles in ``<result>-plans/median``) is re-predicted from those, as ``bench/e2e_cluster.py`` predicts
 it; ``--profiles`` overrides the profiles there too. ``--refit`` refits the calibration's runtime CPU
 constants on the jobs it recorded (``job_runs``) before predicting: the way to check a change to the CPU
-cost model, whose constants were fitted under the old one.
+cost model, whose constants were fitted under the old one. ``--quota-share`` prices every quota'd CPU device
+at its quota's share of the profiled core (``cpu_cores / count`` times the profile's ``core_flops``; the
+calibration's for ``--refit``'s jobs) instead of the matmul probe's reading: what the simulator would
+predict if an op under a quota took the CPU it takes on a free core.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import os
 import shlex
@@ -27,9 +32,20 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 GROUPS = 8  # the op groups bench/e2e_cluster.py plans with
+
+
+def at_quota_share(topology: dict[str, Any], core_flops: float) -> dict[str, Any]:
+    """A copy of a topology record whose quota'd CPU device groups run at their quota's share of a core of
+    ``core_flops`` FLOP/s (``--quota-share``)."""
+    topology = copy.deepcopy(topology)
+    for group in topology["groups"]:
+        if group["device"] == "CPU" and group.get("count") and group.get("cpu_cores"):
+            group["peak_flops"] = round(group["cpu_cores"] / group["count"] * core_flops, -6)
+    return topology
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--refit", action="store_true", help="first refit the calibration's runtime CPU constants on the "
         "jobs it recorded, with the simulator as it is now (`python -m tagps.calibrate --refit`)"
     )  # fmt: skip
+    parser.add_argument(
+        "--quota-share", action="store_true", help="price every quota'd CPU device at its quota's share of "
+        "the profiled core instead of the matmul probe's reading (the jobs of --refit too)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.profiles is not None and not (args.profiles / "profiles").is_dir():
         parser.error(f"--profiles {args.profiles}: no profiles/ folder in it")
@@ -53,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tagps.strategy.graph import model_graph
     from tagps.strategy.grouping import group_ops
     from tagps.strategy.plan import load
-    from tagps.strategy.profiles import load_profile, profile_path
+    from tagps.strategy.profiles import find_profile, load_profile, profile_path
     from tagps.strategy.topology import Topology
 
     plans = args.result.parent / f"{args.result.stem}-plans"
@@ -66,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_calibration(args.calibration) if args.calibration else Calibration.from_dict(data["calibration"])
     )
     if args.refit:
+        if args.quota_share:
+            runs = copy.deepcopy(cal.job_runs)
+            for run in runs:
+                run["plan"]["topology"] = at_quota_share(run["plan"]["topology"], cal.core_flops)
+            cal = dataclasses.replace(cal, job_runs=runs)
         try:
             cal = refit_runs(cal)
         except ValueError as exc:
@@ -89,6 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             topology = Topology.from_dict(data["median_inputs"]["topology"])
             folder = (args.profiles or plans / "median") / "profiles"
             profiles = {"CPU": load_profile(profile_path(run["model"], "CPU", folder))}
+        if args.quota_share:
+            found = find_profile(run["model"], "CPU")
+            profile = profiles["CPU"] if profiles else load_profile(found) if found else None
+            if profile is None or not profile.core_flops:
+                parser.error(f"--quota-share: no CPU profile of {run['model']} that records its core's speed")
+            topology = Topology.from_dict(at_quota_share(topology.to_dict(), profile.core_flops))
         sim = cal.simulator(graph, group_ops(graph, GROUPS), topology, profiles=profiles)
         predicted = cal.evaluate(sim, plan)
         measured = run["measured_s"]
