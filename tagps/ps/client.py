@@ -46,6 +46,7 @@ import zmq
 from tagps import _core
 from tagps.atomic import write_text_atomic
 from tagps.config import PSConfig, ps_config
+from tagps.heap import keep_freed_buffers
 from tagps.ps.node import AddressBook, JobFailed, SchedulerLink, configure_logging
 from tagps.ps.protocol import (
     FLAG_AVERAGE,
@@ -61,7 +62,7 @@ from tagps.ps.protocol import (
     routing_id,
     unpack_header,
 )
-from tagps.ps.transport import Security, keep_freed_buffers, resolve_host
+from tagps.ps.transport import Security, resolve_host
 from tagps.tag_pipe import write_tag
 
 __all__ = ["Handle", "PSClient", "key_to_server"]

@@ -55,6 +55,7 @@ import zmq
 from tagps import _core, kernels
 from tagps.atomic import atomic_open
 from tagps.config import PSConfig, ServerOptimizerConfig
+from tagps.heap import keep_freed_buffers
 from tagps.ps.node import JobFailed, SchedulerLink
 from tagps.ps.optimizer import OptimizerState, ServerOptimizer
 from tagps.ps.protocol import (
@@ -75,7 +76,7 @@ from tagps.ps.protocol import (
     unpack_header,
     unpack_workers,
 )
-from tagps.ps.transport import Security, bind_random_port, keep_freed_buffers, resolve_host
+from tagps.ps.transport import Security, bind_random_port, resolve_host
 
 __all__ = ["SummationServer"]
 

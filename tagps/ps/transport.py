@@ -8,8 +8,6 @@ handler admits. Without a secret, traffic is neither encrypted nor authenticated
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import hashlib
 import hmac
 import logging
@@ -22,7 +20,7 @@ from zmq.utils import z85
 
 from tagps.config import PSConfig
 
-__all__ = ["CurveKeys", "Security", "bind_random_port", "keep_freed_buffers", "resolve_host"]
+__all__ = ["CurveKeys", "Security", "bind_random_port", "resolve_host"]
 
 log = logging.getLogger(__name__)
 
@@ -134,29 +132,3 @@ def bind_random_port(sock: zmq.Socket, host: str) -> int:
         raise RuntimeError(f"cannot bind to DMLC_NODE_HOST={host}: {exc}") from None
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return int(endpoint.rsplit(":", 1)[1])
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest allowed value on 64-bit
-
-
-def keep_freed_buffers(retain_bytes: int = 1 << 30) -> bool:
-    """Make glibc's malloc reuse freed message buffers instead of returning them to the kernel.
-
-    ZeroMQ allocates a fresh buffer for every received message. With glibc's defaults a freed multi-MiB
-    buffer is unmapped (or trimmed) and the next one is faulted in again page by page: measured, a 64 MiB
-    push_pull cost each worker ~1,400 and the server ~6,800 page faults per round; with the heap kept,
-    about 1. Process-wide: buffers below 32 MiB come from the heap, and up to ``retain_bytes`` of free heap
-    is kept. Returns False (and changes nothing) where the C library has no ``mallopt``.
-    """
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
-        log.debug("no mallopt in the C library; message buffers are allocated with its defaults")
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    retain = min(retain_bytes, (1 << 31) - 1)
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, retain))

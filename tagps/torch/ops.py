@@ -19,6 +19,7 @@ from tagps import kernels
 from tagps.comm import collectives
 from tagps.comm.handle import Handle, Waitable, failure
 from tagps.config import CommConfig, comm_config
+from tagps.heap import keep_freed_buffers
 from tagps.torch.compression import Compressor, NoneCompressor
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ def init() -> State:
     global _state, _atexit_registered
     if _state is None:
         cfg = comm_config(os.environ)
+        # Every step frees and allocates tensor-sized buffers (the optimizer's temporaries, received
+        # messages); glibc would fault each one in afresh (tagps.heap).
+        keep_freed_buffers()
         if "TAGPS_NUM_THREADS" not in os.environ:
             # The summation kernels (local reduction, fusion) keep to torch's thread budget: their OpenMP
             # team on all cores made a quota'd CPU worker's spare thread spin away the quota training needs.
