@@ -527,6 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "step_times_s": result["step_times_s"],
                         # Per rank: its process's CPU seconds per step, and the simulator's compute CPU.
                         "cpu_s_per_step": result.get("cpu_s_per_step", {}),
+                        "page_faults_per_step": result.get("page_faults_per_step", {}),
                         "predicted_cpu_s_per_step": simulated.cpu_seconds,
                         "loss_first": result["losses"][0],
                         "loss_last": result["losses"][-1],

@@ -13,11 +13,12 @@ groups on their own devices, activations crossing between them); ``--runtime ddp
 shares only), the job's processes joined as a Horovod job by :func:`tagps.cluster.horovod_gloo.init`.
 Inputs and targets are one fixed synthetic global batch cut by the plan's shares (the same samples for every
 strategy), so the loss falls as the model memorises it and the losses of different plans compare. Rank 0
-writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", "cpu_s_per_step", "ps_env", ...}`` to
-``--out``;
+writes ``{"step_times_s", "mean_step_s", "samples_per_s", "losses", "cpu_s_per_step", "page_faults_per_step",
+"ps_env", ...}`` to ``--out``;
 the timed steps follow ``--warmup`` untimed ones, and each timed step ends when rank 0's optimizer step
 returns (training is synchronous, so that is the iteration time). ``cpu_s_per_step`` is each rank's process
-CPU time per timed step: what it took from its machine's quota, beside what the simulator costs.
+CPU time per timed step: what it took from its machine's quota, beside what the simulator costs;
+``page_faults_per_step`` its minor page faults per timed step (buffers faulted in afresh: ``tagps.heap``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     times: list[float] = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            cpu_start = time.process_time()
+            used_before = _used()
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(*inputs).flatten(0, -2), targets.flatten())
@@ -106,10 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    cpu_per_step = (time.process_time() - cpu_start) / args.steps
+    per_step = _per_step(used_before, args.steps)
     # Global loss per step: shares-weighted mean of the local losses.
-    gathered: list[tuple[list[float], float] | None] = [None] * size
-    dist.all_gather_object(gathered, ([local_batch * x for x in losses], cpu_per_step))
+    gathered: list[tuple[list[float], tuple[float, float]] | None] = [None] * size
+    dist.all_gather_object(gathered, ([local_batch * x for x in losses], per_step))
     global_losses = [sum(g[0][i] for g in gathered if g) / plan.batch_size for i in range(len(losses))]
     if rank == 0 and args.out:
         _write_result(args, plan, devices, times, global_losses, [g[1] for g in gathered if g])
@@ -157,7 +159,7 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
     times: list[float] = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            cpu_start = time.process_time()
+            used_before = _used()
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = dmodel.train_step(inputs, targets)
@@ -165,17 +167,28 @@ def _train_general(args: argparse.Namespace, plan: Any) -> int:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(float(loss))
-    cpu_per_step = (time.process_time() - cpu_start) / args.steps
+    per_step = _per_step(used_before, args.steps)
     # Each rank's loss is its share of the global mean: the global loss is their sum.
-    gathered: list[tuple[list[float], float] | None] = [None] * bps.size()
-    dist.all_gather_object(gathered, (losses, cpu_per_step))
+    gathered: list[tuple[list[float], tuple[float, float]] | None] = [None] * bps.size()
+    dist.all_gather_object(gathered, (losses, per_step))
     global_losses = [sum(g[0][i] for g in gathered if g) for i in range(len(losses))]
     if bps.rank() == 0 and args.out:
-        cpu = [g[1] for g in gathered if g]
-        _write_result(args, plan, plan.worker_devices(), times, global_losses, cpu)
+        used = [g[1] for g in gathered if g]
+        _write_result(args, plan, plan.worker_devices(), times, global_losses, used)
     del optimizer, dmodel
     bps.shutdown()
     return 0
+
+
+def _used() -> tuple[float, int]:
+    """This process's CPU seconds (every thread) and minor page faults so far."""
+    return time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _per_step(before: tuple[float, int], steps: int) -> tuple[float, float]:
+    """CPU seconds and minor page faults per step since ``before`` (:func:`_used`), over ``steps`` steps."""
+    cpu, faults = _used()
+    return (cpu - before[0]) / steps, (faults - before[1]) / steps
 
 
 def _write_result(
@@ -184,9 +197,10 @@ def _write_result(
     devices: list[str],
     times: list[float],
     losses: list[float],
-    cpu_s_per_step: list[float],
+    used: list[tuple[float, float]],
 ) -> None:
-    """Write rank 0's result; ``cpu_s_per_step`` is every rank's, in the order of ``devices``."""
+    """Write rank 0's result; ``used`` is every rank's CPU seconds and page faults per step
+    (:func:`_per_step`), in the order of ``devices``."""
     mean = statistics.mean(times)
     result = {
         "model": args.model,
@@ -202,7 +216,8 @@ def _write_result(
         "samples_per_s": plan.batch_size / mean,
         "losses": losses,
         # Each rank's process CPU seconds (all its threads) per timed step: what it took from its quota.
-        "cpu_s_per_step": dict(zip(devices, cpu_s_per_step, strict=True)),
+        "cpu_s_per_step": {d: cpu for d, (cpu, _) in zip(devices, used, strict=True)},
+        "page_faults_per_step": {d: faults for d, (_, faults) in zip(devices, used, strict=True)},
         # The PS settings the job ran with (tagps.cluster.experiment.plan_env): what its plan was costed at.
         "ps_env": {k: os.environ[k] for k in PS_ENV_KEYS if k in os.environ},
     }

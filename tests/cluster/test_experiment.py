@@ -98,6 +98,9 @@ def test_a_ps_plan_trains_as_local_processes() -> None:
     cpu = result["cpu_s_per_step"]
     assert set(cpu) == {"local:0", "local:1"}
     assert all(0 < seconds < 2 * max(result["step_times_s"]) + 0.5 for seconds in cpu.values())
+    # And its minor page faults per step: counted, and few once init() keeps freed buffers (tagps.heap).
+    faults = result["page_faults_per_step"]
+    assert set(faults) == {"local:0", "local:1"} and all(0 <= f < 5000 for f in faults.values())
     # What predictions are compared with: the mean of the step times, the throughput.
     assert result[MEASURED_STEP] == pytest.approx(statistics.mean(result["step_times_s"]))
 
