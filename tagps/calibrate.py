@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tagps.atomic import write_text_atomic
+from tagps.heap import keep_freed_buffers
 from tagps.strategy.calibration import (
     FITTED,
     HOST_CPU,
@@ -109,6 +110,7 @@ def profile_step(model: Any, inputs: Sequence[Any], steps: int = 5) -> float:
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
+    keep_freed_buffers()  # as a worker runs (tagps.torch.init)
     with torch.no_grad():
         out = model(*inputs)
     targets = torch.randint(0, out.shape[-1], out.shape[:-1])

@@ -475,3 +475,19 @@ def test_local_device_type_names_the_gpu_row(monkeypatch, gpu, gib, expected):
         assert local_device_type("cuda") == expected
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
         local_device_type("tpu")
+
+
+def test_a_profile_is_measured_with_the_heap_a_worker_keeps(tmp_path, monkeypatch):
+    # tagps.torch.init() keeps freed buffers (tagps.heap); a profile timed with glibc's defaults would
+    # count the page faults a worker no longer pays.
+    import tagps.calibrate as calibrate
+    from tagps.models import build_model, example_inputs
+    from tagps.strategy import profiles
+
+    kept: list[str] = []
+    monkeypatch.setenv("TAGPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profiles, "keep_freed_buffers", lambda: kept.append("profile"))
+    monkeypatch.setattr(calibrate, "keep_freed_buffers", lambda: kept.append("calibration step"))
+    profiles.build_profile("mlp-mini", batch_sizes=(1, 2), repeats=1)
+    calibrate.profile_step(build_model("mlp-mini"), example_inputs("mlp-mini", 2), steps=1)
+    assert kept == ["profile", "calibration step"]
