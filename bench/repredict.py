@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             folder = (args.profiles or plans / "median") / "profiles"
             profiles = {"CPU": load_profile(profile_path(run["model"], "CPU", folder))}
         if args.quota_share:
-            found = find_profile(run["model"], "CPU")
+            found = None if profiles else find_profile(run["model"], "CPU")
             profile = profiles["CPU"] if profiles else load_profile(found) if found else None
             if profile is None or not profile.core_flops:
                 parser.error(f"--quota-share: no CPU profile of {run['model']} that records its core's speed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 __all__ = ["keep_freed_buffers"]
@@ -14,6 +15,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest allowed value on 64-bit
 
 
+@functools.cache
 def keep_freed_buffers(retain_bytes: int = 1 << 30) -> bool:
     """Make glibc's malloc reuse freed buffers instead of returning them to the kernel.
 
@@ -22,10 +24,11 @@ def keep_freed_buffers(retain_bytes: int = 1 << 30) -> bool:
     each parameter). With glibc's defaults a freed multi-MiB buffer is unmapped (or trimmed) and the next
     one is faulted in again page by page. Measured: a 64 MiB push_pull cost each worker ~1,400 and the
     server ~6,800 page faults per round, with the heap kept about 1; vgg-mini's Adam step on one CPU
-    thread 7,600 per step, kept 100; and two ranks of tagps all-reduce on one emulated machine (0.65
-    cores) took 74.8-76.7 ms of CPU a step with the heap kept against 91.4-97.7. Process-wide: buffers
-    below 32 MiB come from the heap, and up to ``retain_bytes`` of free heap is kept. Returns False (and
-    changes nothing) where the C library has no ``mallopt``.
+    thread 7,600 per step, kept 100. Whether a process faults so depends on its allocation history: two
+    ranks of tagps all-reduce on one emulated machine took 150,000 faults in 4 s in one run and 357-1,274
+    in others. Process-wide, so once per process is enough (later calls return the first's answer):
+    buffers below 32 MiB come from the heap, and up to ``retain_bytes`` of free heap is kept. Returns
+    False (and changes nothing) where the C library has no ``mallopt``.
     """
     name = ctypes.util.find_library("c")
     try:
