@@ -8,6 +8,9 @@ namespace tagps {
 // csrc/comm: the intra-machine reduction arena (shared memory summed with the kernels).
 void bind_comm(pybind11::module_& m);
 
+// csrc/sim: the simulator's list scheduler (tagps.strategy.simulator).
+void bind_sim(pybind11::module_& m);
+
 #ifdef TAGPS_HAVE_NET
 // csrc/net: the PS communication engine over libzmq: the server's data loop and the worker's push/pull.
 void bind_net_server(pybind11::module_& m);

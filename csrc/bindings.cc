@@ -229,9 +229,11 @@ void sgd_step(py::array param, const py::array& grad, std::optional<py::array> m
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = R"pbdoc(tagps C++ core: CPU summation and optimizer kernels (use tagps.kernels).)pbdoc";
+  m.doc() = R"pbdoc(tagps C++ core: CPU summation and optimizer kernels (use tagps.kernels), the PS
+communication engine and the simulator's list scheduler.)pbdoc";
   m.attr("__version__") = TAGPS_MACRO_STRINGIFY(TAGPS_VERSION_INFO);
   tagps::bind_comm(m);
+  tagps::bind_sim(m);
 #ifdef TAGPS_HAVE_NET
   m.attr("HAVE_NET") = true;
   tagps::bind_net_server(m);

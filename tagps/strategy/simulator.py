@@ -1,16 +1,16 @@
 """The virtual runtime: expands graph + topology + plan into a training graph and list-schedules it.
 
 One iteration is forward, backward, gradient synchronisation and the optimizer's apply. Every op group
-becomes one compute task per device group it runs on (the devices of a device group run in lockstep at
-the largest per-device batch among them); tensors crossing device groups become transfer tasks;
-gradients become collective tasks. ``_TaskGraph`` builds these tasks phase by phase and ``_Schedule``
-runs them. Local reduction groups (devices under one PCIe switch) are not modelled: a device group's
-devices share one intra-group bandwidth. Resources are one compute stream per device group, one NIC
-channel per device group (inter-group traffic) and one bus channel per device group (intra-group
-traffic). A task starts when its predecessors are done and all its resources are free; resources serve
-tasks in the order they become ready (ties: creation order), from a heap of ``(finish time, creation
-index)`` events. :data:`SIMULATED_STEPS` iterations run back to back, each device group's next forward
-after its own apply, and the iteration time is their mean period. Costs (see ``docs/simulator.md``):
+becomes one compute task per device group it runs on (the devices of a device group run in lockstep at the
+largest per-device batch among them); tensors crossing device groups become transfer tasks; gradients become
+collective tasks. ``_TaskGraph`` builds these tasks phase by phase and ``_Schedule`` hands them to the C++
+core's list scheduler (``csrc/sim``). Local reduction groups (devices under one PCIe switch) are not
+modelled: a device group's devices share one intra-group bandwidth. Resources are one compute stream per
+device group, one NIC channel per device group (inter-group traffic) and one bus channel per device group
+(intra-group traffic). A task starts when its predecessors are done and all its resources are free;
+resources serve tasks in the order they become ready (ties: creation order), from a heap of ``(finish time,
+creation index)`` events. :data:`SIMULATED_STEPS` iterations run back to back, each device group's next
+forward after its own apply, and the iteration time is their mean period. Costs (see ``docs/simulator.md``):
 
 .. math::
     t_{ring}(S, n) = \\frac{2(n-1)}{n}\\frac{S}{B_{min}} + 2(n-1)\\,\\alpha\\,c
@@ -28,13 +28,13 @@ Peak memory per device is parameters + gradients + optimizer state + the activat
 from __future__ import annotations
 
 import gc
-import heapq
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tagps import _core
 from tagps.config import PSConfig
 from tagps.strategy.devices import DeviceType
 from tagps.strategy.graph import Graph, model_graph
@@ -300,100 +300,46 @@ _Label = tuple[str, int, int]
 
 
 class _Schedule:
-    """Tasks (durations, resources, successors; plain lists for speed) and the list scheduler."""
+    """One step's tasks (durations, resources, predecessors; plain lists for speed) and how to repeat them;
+    :meth:`run` hands them to the list scheduler of the C++ core (``csrc/sim/schedule.cc``)."""
 
-    __slots__ = ("add", "dur", "names", "npred", "res", "step_tasks", "succ")
+    __slots__ = ("add", "dur", "names", "npred", "preds", "res", "steps", "waits")
 
     def __init__(self) -> None:
         dur: list[float] = []
         res: list[tuple[int, ...]] = []
-        succ: list[list[int]] = []
         npred: list[int] = []
+        preds: list[int] = []  # every task's predecessors, one after another
         names: list[_Label] = []
-        self.dur, self.res, self.succ, self.npred, self.names = dur, res, succ, npred, names
-        self.step_tasks = 0  # tasks per step, set by :meth:`repeat`
+        self.dur, self.res, self.npred, self.preds, self.names = dur, res, npred, preds, names
+        self.steps = 1
+        self.waits: list[tuple[int, int]] = []
 
         def add(d: float, r: tuple[int, ...], deps: Sequence[int], name: _Label) -> int:
             """Add a task of ``d`` seconds on resources ``r`` after ``deps``; return its id."""
-            t = len(dur)
             dur.append(d)
             res.append(r)
-            succ.append([])
             npred.append(len(deps))
+            preds.extend(deps)
             names.append(name)
-            for x in deps:
-                succ[x].append(t)
-            return t
+            return len(dur) - 1
 
         self.add = add
 
-    def repeat(self, steps: int, waits: Sequence[tuple[int, int]]) -> None:
-        """Append ``steps - 1`` copies of the tasks so far, each a later training step.
+    def repeat(self, steps: int, waits: list[tuple[int, int]]) -> None:
+        """Schedule ``steps`` copies of the tasks, each a later training step.
 
         Args:
             steps: steps in all (>= 1).
-            waits: ``(task, prerequisite)`` pairs: in every copy, ``task`` also waits for the previous
+            waits: ``(task, prerequisite)`` pairs: in every later step, ``task`` also waits for the previous
                 step's ``prerequisite``.
         """
-        n = len(self.dur)
-        self.step_tasks = n
-        succ, npred = self.succ, self.npred
-        first = succ[:n]  # step 1's rows: copied before any wait edge goes into them
-        for k in range(1, steps):
-            off = k * n
-            succ += [[x + off for x in row] for row in first]
-        self.dur *= steps  # in place: ``add`` keeps its lists
-        self.res *= steps
-        self.names *= steps
-        npred *= steps
-        for k in range(1, steps):
-            off = k * n
-            for task, prereq in waits:
-                succ[prereq + off - n].append(task + off)
-                npred[task + off] += 1
+        self.steps, self.waits = steps, waits
 
     def run(self, nres: int) -> tuple[list[float], list[float], list[float]]:
-        """List-schedule; return per-task start, per-task finish and per-resource busy time.
-
-        Events are ``(finish time, priority)`` in a heap; the priority is the task's creation index, unique,
-        so ties resolve the same way every run. A virtual root (index ``n``) finishing at 0 releases the
-        tasks without predecessors, so one loop schedules everything.
-        """
-        dur, res = self.dur, self.res
-        n = len(dur)
-        succ = [*self.succ, [t for t in range(n) if self.npred[t] == 0]]
-        npred = [c or 1 for c in self.npred]
-        start = [0.0] * n
-        finish = [0.0] * n
-        free = [0.0] * nres
-        busy = [0.0] * nres
-        heap: list[tuple[float, int]] = [(0.0, n)]
-        push, pop = heapq.heappush, heapq.heappop
-        done = -1
-        while heap:
-            at, t = pop(heap)
-            done += 1
-            for u in succ[t]:
-                npred[u] -= 1
-                if npred[u]:
-                    continue
-                # u is ready at ``at``: it starts when all its resources are free too.
-                s = at
-                rs = res[u]
-                for r in rs:
-                    if free[r] > s:
-                        s = free[r]
-                d = dur[u]
-                f = s + d
-                for r in rs:
-                    free[r] = f
-                    busy[r] += d
-                start[u] = s
-                finish[u] = f
-                push(heap, (f, u))
-        if done != n:
-            raise RuntimeError(f"simulator: {n - done} tasks never became ready (the task graph has a cycle)")
-        return start, finish, busy
+        """List-schedule every step; return per-task start and finish (step k's task t at ``k * len(dur) +
+        t``) and per-resource busy time."""
+        return _core.list_schedule(self.dur, self.res, self.npred, self.preds, self.steps, self.waits, nres)
 
 
 @dataclass(frozen=True)
@@ -1522,7 +1468,7 @@ class Simulator:
         steps = self.steps
         graph.repeat(steps)
         start, finish, busy = graph.sched.run(self.nres)
-        n = graph.sched.step_tasks
+        n = len(graph.sched.dur)  # tasks per step
         first = max(finish[:n], default=0.0)
         total = (max(finish[-n:]) - first) / (steps - 1) if steps > 1 and n else first
         busy = [b / steps for b in busy]
@@ -1562,16 +1508,18 @@ class Simulator:
         sched = graph.sched
         n = len(self.dgroups)
         kinds = ("compute", "nic", "bus")
-        per_step = sched.step_tasks  # > 0 whenever there is a task: _evaluate always repeats the step
-        for t, (category, i, extra) in enumerate(sched.names):
-            if not sched.res[t]:
-                continue
-            r = sched.res[t][0]
-            resource = f"{self.dgroups[r % n].name}/{kinds[r // n]}"
-            label = f"{category} g{i}" if i >= 0 else category
-            if category == "transfer" and extra >= 0 and extra != i:
-                label = f"transfer g{min(i, extra)}-g{max(i, extra)}"
-            result.tasks.append(TaskRecord(label, category, resource, start[t], finish[t], t // per_step + 1))
+        per_step = len(sched.dur)
+        for step in range(sched.steps):
+            for t, (category, i, extra) in enumerate(sched.names):
+                if not sched.res[t]:
+                    continue
+                r = sched.res[t][0]
+                resource = f"{self.dgroups[r % n].name}/{kinds[r // n]}"
+                label = f"{category} g{i}" if i >= 0 else category
+                if category == "transfer" and extra >= 0 and extra != i:
+                    label = f"transfer g{min(i, extra)}-g{max(i, extra)}"
+                u = step * per_step + t
+                result.tasks.append(TaskRecord(label, category, resource, start[u], finish[u], step + 1))
         ops = self.graph.ops
         for i, tasks in enumerate(graph.fwd_tasks):
             if graph.mp_segments[i] is not None or not tasks:
