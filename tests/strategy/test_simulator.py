@@ -699,6 +699,14 @@ def test_ranks_sharing_a_small_quota_are_bound_by_the_collective_cpu_they_consum
     )
 
 
+def ps_cpu(result: SimResult) -> dict[str, float]:
+    """Seconds of PS CPU on the compute streams of device groups a and b in the first simulated step."""
+    return {
+        r: sum(t.end - t.start for t in first_step(result) if t.category == "ps-cpu" and t.resource == r)
+        for r in ("a/compute", "b/compute")
+    }
+
+
 def test_every_rank_pays_its_push_pull_calls_and_further_ranks_their_local_reduction():
     # a: two devices under half a core, b: one under a quarter; every tensor is one push_pull per rank.
     groups = (
@@ -711,10 +719,7 @@ def test_every_rank_pays_its_push_pull_calls_and_further_ranks_their_local_reduc
     plan = BASELINES["byteps-like"](base, 16)
     result = costed.evaluate(plan, trace=True)
     tensors = len(base.graph.params)
-    cpu = {
-        r: sum(t.end - t.start for t in first_step(result) if t.category == "ps-cpu" and t.resource == r)
-        for r in ("a/compute", "b/compute")
-    }
+    cpu = ps_cpu(result)
     assert cpu["a/compute"] == pytest.approx(2 * tensors * call / 0.5)
     assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
     assert result.iteration_time > base.evaluate(plan).iteration_time
@@ -722,10 +727,7 @@ def test_every_rank_pays_its_push_pull_calls_and_further_ranks_their_local_reduc
     local = 3e-3
     host = HostCpu(160e9, ps_call_s=call, ps_local_call_s=local)
     reducing = Simulator(base.graph, base.grouping, base.topology, host_cpu=host).evaluate(plan, trace=True)
-    cpu = {
-        r: sum(t.end - t.start for t in first_step(reducing) if t.category == "ps-cpu" and t.resource == r)
-        for r in ("a/compute", "b/compute")
-    }
+    cpu = ps_cpu(reducing)
     assert cpu["a/compute"] == pytest.approx(tensors * (2 * call + local) / 0.5)
     assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
     assert reducing.iteration_time > result.iteration_time
@@ -733,10 +735,7 @@ def test_every_rank_pays_its_push_pull_calls_and_further_ranks_their_local_reduc
     shared = 2e-3
     host = HostCpu(160e9, ps_call_s=call, ps_local_call_s=local, ps_shared_call_s=shared)
     rooted = Simulator(base.graph, base.grouping, base.topology, host_cpu=host).evaluate(plan, trace=True)
-    cpu = {
-        r: sum(t.end - t.start for t in first_step(rooted) if t.category == "ps-cpu" and t.resource == r)
-        for r in ("a/compute", "b/compute")
-    }
+    cpu = ps_cpu(rooted)
     assert cpu["a/compute"] == pytest.approx(tensors * (2 * call + local + shared) / 0.5)
     assert cpu["b/compute"] == pytest.approx(tensors * call / 0.25)
 
