@@ -295,6 +295,9 @@ class _Supervisor:
         mains = [c for c in self.children if not c.spec.service]
         services = [c for c in self.children if c.spec.service]
         while self.signalled is None:
+            # Looked at before the statuses below, so that a main that exits between the two looks is
+            # still checked: otherwise a failed last main would end the job with status 0.
+            mains_done = all(c.exited() for c in mains)
             for i, child in enumerate(self.children):
                 if i in reported or not child.exited():
                     continue
@@ -303,7 +306,7 @@ class _Supervisor:
                     self.log(f"{child.spec.label} exited with status {child.status}; stopping the job")
                     self.failure = child.status
                     return
-            if all(c.exited() for c in mains):
+            if mains_done:
                 self.wait_until(lambda: all(c.exited() for c in services), self.grace, interruptible=True)
                 bad = next((c for c in services if c.exited() and c.status != 0), None)
                 if bad is not None:
@@ -674,7 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 specs = local_job(command, args.local, servers, args.local_size or cfg.local_size, env)
             else:
                 specs = role_job(command, env)
-                if specs[0].service and command:
+                if cfg.role != "worker" and command:
                     print(f"bpslaunch: DMLC_ROLE={specs[0].label} ignores the command", file=sys.stderr)
             if not cfg.threads_chosen:
                 cores = usable_cores()

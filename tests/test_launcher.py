@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tagps import launcher
 from tagps.config import ConfigError, launcher_config
 from tagps.launcher import (
     ProcessSpec,
@@ -335,6 +336,30 @@ def test_failing_worker_stops_the_job_with_its_status(child: tuple[Path, Path]) 
     _assert_all_gone(pids, 4)
 
 
+def test_a_main_that_fails_between_two_looks_still_fails_the_job(
+    child: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The supervisor looks at its children more than once a round. Here each child's exit is hidden from the
+    # first look that could see it, as if it exited just after that look: a scheduler that failed so was
+    # reported as a success (status 0) in the fault-injection tests.
+    script, pids = child
+    observe = launcher._Child.exited
+    hidden: set[int] = set()
+
+    def late(self: launcher._Child) -> bool:
+        exited = observe(self)
+        if exited and id(self) not in hidden:
+            hidden.add(id(self))
+            self.status = None
+            return False
+        return exited
+
+    monkeypatch.setattr(launcher._Child, "exited", late)
+    out = io.BytesIO()
+    assert run_processes([_spec("scheduler", script, pids, "fail:3")], out=out, grace=1) == 3
+    assert b"scheduler exited with status 3; stopping the job" in out.getvalue()
+
+
 def test_worker_killed_by_a_signal_gives_128_plus_signal(child: tuple[Path, Path]) -> None:
     _, pids = child
     res = _bpslaunch(*_local(2, 0, *_child_argv(child, "one-kill-self")))
@@ -478,6 +503,22 @@ def test_role_worker_starts_local_size_ranks(child: tuple[Path, Path]) -> None:
         assert layout["BYTEPS_LOCAL_RANK"] == str(r) and layout["BYTEPS_LOCAL_SIZE"] == "3"
         assert layout["DMLC_WORKER_ID"] == "1" and layout["DMLC_ROLE"] == "worker"
     _assert_all_gone(pids, 3)
+
+
+def test_a_scheduler_machine_says_it_ignores_the_training_command() -> None:
+    # One command line for every machine, as with BytePS: the scheduler runs, and says it dropped the command.
+    env = _clean_env(
+        DMLC_ROLE="scheduler",
+        DMLC_NUM_WORKER="1",
+        DMLC_NUM_SERVER="1",
+        DMLC_PS_ROOT_URI="127.0.0.1",
+        DMLC_PS_ROOT_PORT=str(free_ports(1)[0]),
+        PS_REGISTER_TIMEOUT="1",  # nobody registers: the scheduler gives up after a second
+    )
+    res = _bpslaunch(sys.executable, "-c", "pass", env=env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "bpslaunch: DMLC_ROLE=scheduler ignores the command" in res.stderr
+    assert "registration timed out" in res.stdout
 
 
 @pytest.mark.parametrize(
