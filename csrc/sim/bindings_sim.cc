@@ -87,7 +87,8 @@ in waits makes a later step's task also wait for the previous step's prereq. A t
 predecessors are done and its resources are free; resources serve tasks in the order they become ready
 (ties: creation order). Returns (start, finish, busy): per task of all steps (step k's task t at
 k * len(durations) + t) and busy seconds per resource. ValueError on malformed input (a predecessor
-that is not an earlier task, a resource or a wait out of range), TypeError on items of the wrong type.)pbdoc");
+that is not an earlier task, a resource or a wait out of range), TypeError on items of the wrong
+type.)pbdoc");
 }
 
 }  // namespace tagps

@@ -15,28 +15,35 @@ struct Rows {
   std::vector<int32_t> begin, items;
 };
 
+// Rows 0..n-1 filled from the (row, item) pairs that `edges(emit)` emits (`count` of them), each row in
+// emission order.
+template <typename Edges>
+Rows rows(size_t n, size_t count, const Edges& edges) {
+  Rows out{std::vector<int32_t>(n + 1, 0), std::vector<int32_t>(count)};
+  edges([&](int32_t row, int32_t) { ++out.begin[row + 1]; });
+  for (size_t r = 0; r < n; ++r) out.begin[r + 1] += out.begin[r];
+  std::vector<int32_t> next(out.begin.begin(), out.begin.end() - 1);
+  edges([&](int32_t row, int32_t item) { out.items[next[row]++] = item; });
+  return out;
+}
+
 // Successors of one step's tasks, each row in the order its successors were created (the order in which
 // a finished task releases them, which decides who gets a contended resource first).
 Rows successors(const StepTasks& s) {
-  const size_t n = s.duration.size();
-  Rows out{std::vector<int32_t>(n + 1, 0), std::vector<int32_t>(s.preds.size())};
-  for (int32_t p : s.preds) ++out.begin[p + 1];
-  for (size_t t = 0; t < n; ++t) out.begin[t + 1] += out.begin[t];
-  std::vector<int32_t> next(out.begin.begin(), out.begin.end() - 1);
-  for (size_t t = 0; t < n; ++t) {
-    for (int32_t k = s.pred_begin[t]; k < s.pred_begin[t + 1]; ++k) out.items[next[s.preds[k]]++] = t;
-  }
-  return out;
+  return rows(s.duration.size(), s.preds.size(), [&](const auto& emit) {
+    for (size_t t = 0; t < s.duration.size(); ++t) {
+      for (int32_t k = s.pred_begin[t]; k < s.pred_begin[t + 1]; ++k) {
+        emit(s.preds[k], static_cast<int32_t>(t));
+      }
+    }
+  });
 }
 
 // The tasks of the next step that each task releases, in the order of `waits`.
 Rows wait_successors(size_t n, const std::vector<StepWait>& waits) {
-  Rows out{std::vector<int32_t>(n + 1, 0), std::vector<int32_t>(waits.size())};
-  for (const StepWait& w : waits) ++out.begin[w.prereq + 1];
-  for (size_t t = 0; t < n; ++t) out.begin[t + 1] += out.begin[t];
-  std::vector<int32_t> next(out.begin.begin(), out.begin.end() - 1);
-  for (const StepWait& w : waits) out.items[next[w.prereq]++] = w.task;
-  return out;
+  return rows(n, waits.size(), [&](const auto& emit) {
+    for (const StepWait& w : waits) emit(w.prereq, w.task);
+  });
 }
 
 void check(const StepTasks& s, const std::vector<StepWait>& waits, int steps, int num_resources) {
