@@ -1508,16 +1508,18 @@ class Simulator:
         sched = graph.sched
         n = len(self.dgroups)
         kinds = ("compute", "nic", "bus")
+        shown: list[tuple[int, str, str, str]] = []  # (task, label, category, resource): the same every step
+        for t, (category, i, extra) in enumerate(sched.names):
+            if not sched.res[t]:
+                continue
+            r = sched.res[t][0]
+            label = f"{category} g{i}" if i >= 0 else category
+            if category == "transfer" and extra >= 0 and extra != i:
+                label = f"transfer g{min(i, extra)}-g{max(i, extra)}"
+            shown.append((t, label, category, f"{self.dgroups[r % n].name}/{kinds[r // n]}"))
         per_step = len(sched.dur)
         for step in range(sched.steps):
-            for t, (category, i, extra) in enumerate(sched.names):
-                if not sched.res[t]:
-                    continue
-                r = sched.res[t][0]
-                resource = f"{self.dgroups[r % n].name}/{kinds[r // n]}"
-                label = f"{category} g{i}" if i >= 0 else category
-                if category == "transfer" and extra >= 0 and extra != i:
-                    label = f"transfer g{min(i, extra)}-g{max(i, extra)}"
+            for t, label, category, resource in shown:
                 u = step * per_step + t
                 result.tasks.append(TaskRecord(label, category, resource, start[u], finish[u], step + 1))
         ops = self.graph.ops
