@@ -43,7 +43,8 @@ The budget is a number of iterations and/or seconds; with an iteration budget th
 for a given seed (ties are broken by a seeded generator). The best feasible plan seen is kept; at the end
 the SFB solver (:mod:`tagps.strategy.sfb`) decides per all-reduced gradient whether sufficient-factor
 broadcasting is cheaper. Plans are costed with Horovod-style tensor fusion (64 MiB buffers); the best one
-keeps it unless the simulator says it is faster without.
+keeps it unless the simulator says it is faster without. They are costed at the PS partition size that makes
+``byteps-like`` fastest (:func:`tune_partition`); the best plan's is tuned again.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tagps.strategy.baselines import HOROVOD_FUSION_BYTES, dp_nccl, op_group_plan
+from tagps.strategy.baselines import HOROVOD_FUSION_BYTES, byteps_like, dp_nccl, op_group_plan
 from tagps.strategy.layered import layered_paths
 from tagps.strategy.plan import SYNC_ALLOWED, CommSettings, GradientSync, Plan, PlanError, Prediction
 from tagps.strategy.simulator import SimResult, Simulator, ring_allreduce_time
@@ -378,6 +379,10 @@ class _Search:
         self.best: tuple[float, Plan, SimResult] | None = None
         self.best_decided: tuple[int, ...] = ()  # the tree path of ``best``
         self.vmin, self.vmax = math.inf, -math.inf  # the rewards seen (to normalise Q)
+        # Every plan is costed at one PS partition size, BytePS's plan's best: a ps action judged at the 4 MB
+        # default would lose to all-reduce where smaller chunks make it win. The best plan's is tuned again.
+        reference = byteps_like(sim, batch, config.optimizer)
+        self.partition_bytes = tune_partition(sim, reference)[0].comm.partition_bytes
         base = dp_nccl(sim, batch, config.optimizer)
         base_result = sim.evaluate(base)
         self.baseline = "dp-nccl"
@@ -421,7 +426,9 @@ class _Search:
             dict(self.shares_of(tuple(used))),
             kind=kind,
             optimizer=self.config.optimizer,
-            comm=CommSettings(overlap=True, fusion_bytes=HOROVOD_FUSION_BYTES),
+            comm=CommSettings(
+                overlap=True, fusion_bytes=HOROVOD_FUSION_BYTES, partition_bytes=self.partition_bytes
+            ),
         ).validate()
 
     def shares_of(self, used: tuple[int, ...]) -> dict[str, int]:
@@ -688,7 +695,7 @@ class _Search:
             return None, math.inf
         t, plan, result = self.best
         sim = self.sim
-        unfused = replace(plan, comm=CommSettings(overlap=True))
+        unfused = replace(plan, comm=CommSettings(overlap=True, partition_bytes=plan.comm.partition_bytes))
         unfused_result = sim.evaluate(unfused)
         if unfused_result.feasible and unfused_result.iteration_time < t:
             t, plan, result = unfused_result.iteration_time, unfused, unfused_result

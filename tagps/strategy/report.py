@@ -137,7 +137,7 @@ def render_png(plan: Plan, sim: Simulator, path: str | Path) -> SimResult:
         loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small",
     )
     colours = {"forward": "#1f77b4", "backward": "#d62728", "allreduce": "#2ca02c", "ps": "#ff7f0e",
-               "sfb": "#9467bd", "apply": "#8c564b", "transfer": "#7f7f7f"}
+               "ps-nic": "#ff7f0e", "sfb": "#9467bd", "apply": "#8c564b", "transfer": "#7f7f7f"}
     row = {r: k for k, r in enumerate(resources)}
     for task in result.tasks:
         bottom.barh(

@@ -779,7 +779,8 @@ class _TaskGraph:
                         sync_done[g].append(t)
                     self._ring_cpu(members, sum(ar_sizes), deps, i)
                     self._charge_collectives(members, len(ar_sizes), 2 * (n - 1))
-            wire = sim._ps_wire(members, ps_bytes) if ps_bytes else 0.0
+            nics = sim._ps_nics(members, ps_bytes) if ps_bytes else {}
+            wire = max(nics.values(), default=0.0)
             for s, (nbytes, count, partitions, calls) in ps_bytes.items():
                 local, res, remote = sim._ps(members, s)
                 dur = wire + 2 * nbytes * local + 2 * count * (inter_lat if remote else intra_lat)
@@ -795,6 +796,11 @@ class _TaskGraph:
                     t = add(seconds, (g,), deps, ("ps-cpu", i, g))
                     if g in per:
                         sync_done[g].append(t)
+            # A member that hosts none of these servers pushes to all of them (and pulls back) over its own
+            # NIC while their transfers last: that NIC is busy too, for other syncs as for this one.
+            for w in members:
+                if w in nics and w not in ps_bytes:
+                    sync_done[w].append(add(nics[w], (len(sim.dgroups) + w,), deps, ("ps-nic", i, w)))
             if sfb:
                 ring = self._ring(members)
                 for name in sfb:
@@ -1208,7 +1214,7 @@ class Simulator:
         """Seconds per byte of the reduction inside the slowest member device group (and of the broadcast
         after the pull), the channels of a PS transfer through ``server``, and whether it is remote.
 
-        Each device group first reduces inside itself; the network's part is :meth:`_ps_wire`.
+        Each device group first reduces inside itself; the network's part is :meth:`_ps_nics`.
         """
         key = (tuple(members.items()), server)
         hit = self._ps_cache.get(key)
@@ -1220,18 +1226,18 @@ class Simulator:
             hit = self._ps_cache[key] = (local, res, remote)
         return hit
 
-    def _ps_wire(self, members: dict[int, int], ps_bytes: dict[int, list[float]]) -> float:
-        """Seconds the network takes for one op group's PS sync (``ps_bytes``: server device group ->
-        ``[bytes, tensors, partitions, calls]``), which each of its servers' transfers lasts.
+    def _ps_nics(self, members: dict[int, int], ps_bytes: dict[int, list[float]]) -> dict[int, float]:
+        """Seconds each machine's NIC takes for one op group's PS sync (``ps_bytes``: server device group ->
+        ``[bytes, tensors, partitions, calls]``); each of its servers' transfers lasts the busiest one's.
 
         Links are full duplex and the op group's partitions stream through every server at once (credits):
         pulls flow back while later partitions are pushed. Each machine's NIC carries its workers' pushes to
         every remote server and, if it hosts a server, every remote worker's pushes to it (the pulls mirror
         both the other way). A partition's pull waits for every member's push of it, so a NIC's load ends
         with its last partition still to drain: a server's NIC sends the pull of it to each remote member
-        (as many partitions' worth as it took pushes of it), a worker's NIC receives one. The wire lasts the
-        busiest NIC's one direction plus its drain: 4 MB partitions of 13 MB over 3 servers (2, 1 and 1)
-        take 2.25x the bytes' time, 512 KiB ones 1.1x.
+        (as many partitions' worth as it took pushes of it), a worker's NIC receives one. A NIC takes its one
+        direction plus its drain, and the wire lasts the busiest NIC's: 4 MB partitions of 13 MB over 3
+        servers (2, 1 and 1) take 2.25x the bytes' time, 512 KiB ones 1.1x.
         """
         nic: dict[int, float] = {}
         server_drain: dict[int, float] = {}
@@ -1245,10 +1251,7 @@ class Simulator:
                     nic[s] = nic.get(s, 0.0) + seconds
                     server_drain[s] = server_drain.get(s, 0.0) + chunk / self.bw[w][s]
                     worker_drain[w] = max(worker_drain.get(w, 0.0), chunk / self.bw[w][s])
-        return max(
-            (load + max(server_drain.get(g, 0.0), worker_drain.get(g, 0.0)) for g, load in nic.items()),
-            default=0.0,
-        )
+        return {g: load + max(server_drain.get(g, 0.0), worker_drain.get(g, 0.0)) for g, load in nic.items()}
 
     def _ps_cpu(
         self, members: dict[int, int], server: int, nbytes: float, partitions: int, calls: int

@@ -9,7 +9,7 @@ import pytest
 from strategy_builders import deep_mlp_graph, three_groups
 
 from tagps.models import default_batch_size
-from tagps.strategy.baselines import dp_nccl
+from tagps.strategy.baselines import byteps_like, dp_nccl
 from tagps.strategy.grouping import group_ops
 from tagps.strategy.mcts import (
     PARTITION_CHOICES,
@@ -175,6 +175,26 @@ def test_the_search_puts_ps_servers_on_server_only_machines() -> None:
     assert plan.comm.partition_bytes == min(costed, key=costed.__getitem__)
     assert result.time_s == pytest.approx(costed[plan.comm.partition_bytes])
     assert costed[plan.comm.partition_bytes] < costed[0]  # 16 MiB gradients: BytePS's 4 MB pipelines worse
+
+
+def test_the_search_costs_ps_at_byteps_best_partition_size() -> None:
+    """BytePS's case, three workers and three server-only machines: its plan wins at 256 KiB chunks and
+    loses to all-reduce at the 4 MB default. A search that costs ps at 4 MB keeps all-reduce on some op
+    groups; at BytePS's best size it finds BytePS's plan."""
+    workers = tuple(DeviceGroup(f"w{i}", "1080Ti", 1, 96.0) for i in range(3))
+    spare = tuple(DeviceGroup(f"cpu{i}", "CPU", 0, 100.0) for i in range(3))
+    topology = Topology("three-and-three", workers + spare, 10.0)
+    graph = deep_mlp_graph(2048, 4)
+    sim = Simulator(graph, group_ops(graph, 4), topology)
+    byteps = byteps_like(sim, 8192, ps_servers=tuple(g.name for g in spare))
+    at_default = sim.evaluate(byteps).iteration_time
+    tuned, best = tune_partition(sim, byteps)
+    assert best.iteration_time < sim.evaluate(dp_nccl(sim, 8192)).iteration_time < at_default
+    result = search(sim, 8192, SearchConfig(iterations=60, sfb=False))
+    assert result.plan is not None and all(g.option == "ps" for g in result.plan.groups)
+    assert set(result.plan.ps_servers) == {g.name for g in spare}
+    assert result.plan.comm.partition_bytes == tuned.comm.partition_bytes
+    assert result.time_s <= best.iteration_time * (1 + 1e-9)
 
 
 def test_tune_partition_leaves_a_plan_without_ps_as_it_is(tree: _Search) -> None:

@@ -167,6 +167,33 @@ def test_ps_through_spare_servers_is_bound_by_the_busiest_nic_in_one_direction()
         assert task.end - task.start == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_ps_sync_through_a_spare_server_keeps_the_workers_nics_busy():
+    """Op group 0 syncs through a server-only machine, op group 1 all-reduces among the same two workers.
+    Each worker's NIC pushes group 0's gradient to the server (the pull comes back the other way), so that
+    NIC carries it for S / B plus the last of its P partitions' pull, and the all-reduce, which needs the
+    same NIC, cannot run at the same time."""
+    graph = deep_mlp_graph(512, 2)
+    workers = ("w0", "w1")
+    machines = tuple(DeviceGroup(name, "1080Ti", 1, 96.0) for name in workers)
+    topo = Topology("spare1", (*machines, DeviceGroup("srv", "CPU", 0, 96.0)), 10.0)
+    sim = Simulator(graph, group_ops(graph, 2), topo)
+    groups = (op_group_plan(sim, 0, workers, "ps"), op_group_plan(sim, 1, workers, "allreduce"))
+    gradients = {
+        name: GradientSync(i, g.option) for i, g in enumerate(groups) for name in sim.groups[i].param_names
+    }
+    plan = Plan(topo, graph.name, 8, groups, gradients, even_shares(sim, 8), ps_servers=("srv",)).validate()
+    tasks = first_step(sim.evaluate(plan, trace=True))
+    (ring,) = [t for t in tasks if t.category == "allreduce"]
+    pushes = {t.resource: t for t in tasks if t.category == "ps-nic"}
+    assert sorted(pushes) == ["w0/nic", "w1/nic"]
+    sizes = [graph.params[name] for name in sim.groups[0].param_names]
+    partitions = sum(-(-size // PS_PARTITION_BYTES) for size in sizes)
+    expected = sum(sizes) / (10e9 / 8) * (1 + 1 / partitions)
+    for push in pushes.values():
+        assert push.end - push.start == pytest.approx(expected, rel=1e-12)
+        assert push.end <= ring.start or ring.end <= push.start
+
+
 def test_a_ps_sync_ends_with_its_busiest_servers_last_partition_drained():
     """One 64 KiB tensor in 4 chunks over 3 spare servers (2, 1 and 1 of them): the first server takes 3
     workers' pushes of 32 KiB, and its last chunk's pull to the 3 of them waits for all 3 pushes of it, so the
