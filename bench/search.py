@@ -96,11 +96,6 @@ if HELD_OUT_MODEL in TRAIN_MODELS or not set(HELD_OUT_SEEDS) <= set(STUDY_SEEDS)
     raise RuntimeError("the near-best study must use a model and topology seeds that training never sees")
 
 
-def machine() -> dict[str, object]:
-    """CPU model, core count, Python and torch versions."""
-    return machine_info()
-
-
 def compute_floor(sim: Simulator, batch: int) -> float:
     """Seconds of an iteration with the batch spread over every device in proportion to its speed and no
     communication at all (speed: samples per second at an even share of the batch)."""
@@ -294,7 +289,7 @@ def merge_into(out: Path, figures: dict[str, float], extra: dict[str, object], m
     result.update(extra)
     result["misses"] = misses_of(result["figures"])
     result["commands"] = [*result["commands"], shlex.join([sys.executable, *sys.argv])]
-    result[machine_key] = {**machine(), "load_average_1min_end": round(os.getloadavg()[0], 2)}
+    result[machine_key] = {**machine_info(), "load_average_1min_end": round(os.getloadavg()[0], 2)}
     write_json(out, result, indent=1)
     print(f"merged into {out}")
     return 0
@@ -361,7 +356,7 @@ def main() -> int:
     figures.update(study)
     misses = misses_of(figures)
     result = {
-        "machine": machine(),
+        "machine": machine_info(),
         "load_average_1min": {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)},
         "commands": [shlex.join([sys.executable, *sys.argv])],
         "figures": figures,

@@ -41,10 +41,6 @@ SEARCH_OPTIONS = ("allreduce", "ps", "mp")
 PROFILE_BATCHES = (1, 8, 32)
 
 
-def machine() -> dict[str, object]:
-    return machine_info()
-
-
 def _rate(sim: Simulator, plans: list[Plan], passes: int) -> tuple[float, float, float]:
     """Evaluations per second: first pass and best pass by the wall clock, best pass by CPU time."""
     rates, cpu_rates = [], []
@@ -140,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             if not result.feasible:
                 figures[f"oom_{model}_{name}"] = 1.0
     result = {
-        "machine": machine(),
+        "machine": machine_info(),
         "commands": {"run": command_line()},
         "quick": args.quick,
         "plans_per_pass": count,
