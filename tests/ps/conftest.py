@@ -16,9 +16,9 @@ one engine against a server of the other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -34,23 +34,17 @@ import zmq
 
 from tagps import _core
 from tagps.config import PSConfig, ps_config
+from tagps.launcher import free_ports
 from tagps.ps.node import SchedulerLink
 from tagps.ps.protocol import Op, routing_id, unpack_header, worker_node_id
 from tagps.ps.transport import Security
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ENGINES", "PSJob", "WorkerResult", "free_port", "ps_engine", "ps_job", "ps_job_class"]
+__all__ = ["ENGINES", "PSJob", "WorkerResult", "ps_engine", "ps_job", "ps_job_class"]
 
 #: The data-plane engines every ``ps_job`` test runs with.
 ENGINES = ("python", "cpp")
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -97,7 +91,9 @@ class PSJob:
     ) -> None:
         self.num_workers = num_workers
         self.num_servers = num_servers
-        self.port = free_port()
+        # Not a port the kernel hands out: a server's bind to port 0 could take it before the scheduler
+        # binds it, and the whole job would then wait PS_REGISTER_TIMEOUT for a scheduler that exited.
+        (self.port,) = free_ports(1)
         self.env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
@@ -110,6 +106,7 @@ class PSJob:
             "PS_HEARTBEAT_INTERVAL": "0.2",
             "PS_HEARTBEAT_TIMEOUT": "6",  # generous: the test machines are shared; failure tests set 2
             "BYTEPS_LOG_LEVEL": "WARNING",
+            "PYTHONFAULTHANDLER": "1",  # a worker killed for its timeout first prints where it hung
             **({"TAGPS_PS_ENGINE": engine} if engine is not None else {}),
             **(env or {}),
         }
@@ -132,12 +129,15 @@ class PSJob:
             )
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         for proc in self._all:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self._all:
             self.output(proc)
+        if exc_type is not None:  # pytest shows this beside the failure: often the cause is in there
+            for name, proc in self._infrastructure():
+                print(f"--- {name} (exit {proc.returncode}) stderr\n{self._stderr.get(proc.pid, '')}")
 
     def output(self, proc: subprocess.Popen[str]) -> str:
         """Reap ``proc`` (after it exited or was killed) and return its stderr."""
@@ -179,8 +179,14 @@ class PSJob:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack to stderr
+            try:
+                out, err = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            with contextlib.suppress(ProcessLookupError):  # its children, if any are left
+                os.killpg(proc.pid, signal.SIGKILL)
             err += f"\n[killed after {timeout} s]"
         self._stderr[proc.pid] = err
         return WorkerResult(worker_id, proc.returncode, out, err)
@@ -193,14 +199,16 @@ class PSJob:
         """Wait for the scheduler and servers to exit; return their exit codes by name."""
         deadline = time.monotonic() + timeout
         codes: dict[str, int | None] = {}
-        named = [("scheduler", self.scheduler)] if self.scheduler else []
-        named += [(f"server{i}", p) for i, p in enumerate(self.servers)]
-        for name, proc in named:
+        for name, proc in self._infrastructure():
             try:
                 codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 codes[name] = None
         return codes
+
+    def _infrastructure(self) -> list[tuple[str, subprocess.Popen[str]]]:
+        named = [("scheduler", self.scheduler)] if self.scheduler else []
+        return named + [(f"server{i}", p) for i, p in enumerate(self.servers)]
 
 
 class HandWorker:
