@@ -364,8 +364,15 @@ class _Search:
     """One tree search (mutable state of :func:`search`)."""
 
     def __init__(
-        self, sim: Simulator, batch: int, config: SearchConfig, model: PriorModel | None, keep_samples: bool
+        self,
+        sim: Simulator,
+        batch: int,
+        config: SearchConfig,
+        model: PriorModel | None,
+        keep_samples: bool,
+        like: _Search | None = None,
     ) -> None:
+        """``like``: an earlier phase of the same search, whose partition size and baseline this one takes."""
         self.sim, self.batch, self.config, self.model = sim, batch, config, model
         self.keep_samples = keep_samples
         self.rng = random.Random(config.seed)
@@ -379,6 +386,10 @@ class _Search:
         self.best: tuple[float, Plan, SimResult] | None = None
         self.best_decided: tuple[int, ...] = ()  # the tree path of ``best``
         self.vmin, self.vmax = math.inf, -math.inf  # the rewards seen (to normalise Q)
+        if like is not None:
+            self.partition_bytes = like.partition_bytes
+            self.baseline, self.baseline_time = like.baseline, like.baseline_time
+            return
         # Every plan is costed at one PS partition size, BytePS's plan's best: a ps action judged at the 4 MB
         # default would lose to all-reduce where smaller chunks make it win. The best plan's is tuned again.
         reference = byteps_like(sim, batch, config.optimizer)
@@ -796,7 +807,7 @@ def search(
         known = [t for t in (best, dp.time_s) if t is not None and t < math.inf]
         progress(dp.iterations + iteration, min(known) if known else None)
 
-    tree = _Search(sim, batch, replace(config, seconds=seconds), model, keep_samples)
+    tree = _Search(sim, batch, replace(config, seconds=seconds), model, keep_samples, like=first)
     general = tree.run(shifted if progress is not None else None, tree.seed_layered(first))
     return _merge(dp, general)
 
