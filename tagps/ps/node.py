@@ -29,6 +29,10 @@ __all__ = ["AddressBook", "JobFailed", "SchedulerLink", "configure_logging"]
 
 log = logging.getLogger(__name__)
 
+#: Seconds between the notices of a node still waiting for the scheduler's first answer (at most a quarter
+#: of PS_REGISTER_TIMEOUT).
+_WAIT_NOTICE_S = 10.0
+
 
 class JobFailed(RuntimeError):
     """Another node of the job died, stopped heartbeating, or the scheduler went silent."""
@@ -119,6 +123,9 @@ class SchedulerLink:
             ) from None
         start = time.monotonic()
         answered: float | None = None  # when the scheduler first answered
+        # A silent wait of up to PS_REGISTER_TIMEOUT (2 minutes by default) looks like a hang: say so.
+        notice_every = min(_WAIT_NOTICE_S, limit / 4)
+        next_notice = start + notice_every
         while True:
             now = time.monotonic()
             if answered is None:
@@ -127,6 +134,15 @@ class SchedulerLink:
                         f"the scheduler at {where} did not answer within {limit:g} s (PS_REGISTER_TIMEOUT): "
                         "it is not running, not reachable there, or TAGPS_PS_SECRET differs"
                     )
+                if now >= next_notice:
+                    log.warning(
+                        "no answer from the scheduler at %s after %.0f s; waiting up to %g s "
+                        "(PS_REGISTER_TIMEOUT)",
+                        where,
+                        now - start,
+                        limit,
+                    )
+                    next_notice += notice_every
                 self._send_beat(now)
             else:
                 # The scheduler's own deadline comes first; this one only bounds a scheduler that is alive

@@ -39,6 +39,9 @@ def test_worker_without_a_scheduler_fails_in_time(ps_job) -> None:
         report = _report(result)
         expected = rf"scheduler at 127\.0\.0\.1:{job.port} did not answer within 3 s \(PS_REGISTER_TIMEOUT\)"
         assert re.search(expected, report["error"]), report
+        # Meanwhile it said that it waits, so that a wrong address is not a silent two-minute hang.
+        notice = rf"no answer from the scheduler at 127\.0\.0\.1:{job.port} after \d+ s; waiting up to 3 s"
+        assert re.search(notice, result.stderr), result.stderr
         # Longer than PS_HEARTBEAT_TIMEOUT (a scheduler may start late), shorter than the register timeout
         # plus a poll interval and slack.
         assert TIMEOUT <= report["elapsed"] < TIMEOUT + 2.0, report
