@@ -1,8 +1,9 @@
 """Benchmark push_pull through the summation servers against raw pyzmq and gloo all_reduce.
 
-Usage: ``python bench/pushpull.py [--quick] [--no-emulated] [--out FILE]`` (default
-``bench/results/pushpull.json``). ``TAGPS_PS_ENGINE`` (``cpp`` or ``python``) picks the data plane of the
-PS jobs' servers and workers; the JSON records it.
+Usage: ``python bench/pushpull.py [--quick] [--no-emulated | --emulated-only] [--out FILE]`` (default
+``bench/results/pushpull.json``; ``--emulated-only``, for experiments on that part alone, needs ``--out``).
+``TAGPS_PS_ENGINE`` (``cpp`` or ``python``) picks the data plane of the PS jobs' servers and workers; the
+JSON records it.
 
 Two set-ups, each compared within the same run:
 
@@ -401,15 +402,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, write the JSON, print the table; return 0 (misses are reported, not errors)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (same sizes)")
-    parser.add_argument("--no-emulated", action="store_true", help="skip the emulated-links part")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pushpull.json")
+    part = parser.add_mutually_exclusive_group()
+    part.add_argument("--no-emulated", action="store_true", help="skip the emulated-links part")
+    part.add_argument(
+        "--emulated-only", action="store_true", help="run the emulated-links part alone (needs --out)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/pushpull.json")
     args = parser.parse_args(argv)
+    if args.emulated_only and args.out is None:  # its JSON lacks the other figures: keep the full run's file
+        parser.error("--emulated-only writes only that part's figures: give --out")
+    out = args.out or ROOT / "bench" / "results" / "pushpull.json"
     bench = Bench(args.quick)
     load_before = os.getloadavg()
     figures: dict[str, float | None] = dict.fromkeys(TARGETS)
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="tagps-pushpull-") as tmp:
-        figures.update(bench.loopback(tmp))
+        if args.emulated_only:
+            skipped["loopback and server sum"] = "--emulated-only"
+        else:
+            figures.update(bench.loopback(tmp))
         try:
             if args.no_emulated:
                 raise ClusterError("--no-emulated")
@@ -418,7 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             skipped["emulated"] = f"the emulated-links part needs root and network namespaces: {exc}"
         else:
             figures.update(bench.emulated(tmp))
-    figures.update(bench.server_sum())
+    if not args.emulated_only:
+        figures.update(bench.server_sum())
     result = {
         # Other jobs on the machine skew every figure; the 1-minute load average says how busy it was.
         "machine": {**_machine(), "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0]}},
@@ -430,9 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "measurements": bench.measurements,
         "skipped": skipped,
     }
-    write_json(args.out, result)
+    write_json(out, result)
     print(_table(figures, skipped))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 
