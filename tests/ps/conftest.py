@@ -180,13 +180,11 @@ class PSJob:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack to stderr
-            try:
-                out, err = proc.communicate(timeout=5)
-            except subprocess.TimeoutExpired:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=5)
+            with contextlib.suppress(ProcessLookupError):  # it, if the abort did not end it, and its children
                 os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-            with contextlib.suppress(ProcessLookupError):  # its children, if any are left
-                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()  # everything it wrote, both calls' reads together
             err += f"\n[killed after {timeout} s]"
         self._stderr[proc.pid] = err
         return WorkerResult(worker_id, proc.returncode, out, err)
