@@ -68,6 +68,11 @@ CHILD = textwrap.dedent(
         keys = [k for k in os.environ if k.startswith(("DMLC_", "BYTEPS_", "TAGPS_DIST"))]
         print(json.dumps({k: os.environ[k] for k in keys}))
     elif mode == "kill-self":
+        # Only once every process of the job wrote its pid file: the test counts them all afterwards.
+        size = int(os.environ.get("DMLC_NUM_WORKER", "1")) * int(os.environ.get("BYTEPS_LOCAL_SIZE", "1"))
+        deadline = time.monotonic() + 30
+        while len([f for f in os.listdir(out) if f.endswith(".pid")]) < size and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "threads":
         print("OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"))
