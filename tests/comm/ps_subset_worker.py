@@ -1,6 +1,6 @@
 """Worker of the ps-subset tests: sums over subsets of the job's ranks next to a sum over every rank.
 
-Run under ``bpslaunch --local W --servers S --local-size L`` with ``--case FILE`` (a JSON object) and
+Run under ``bpslaunch --local W --servers S --local-size L`` with ``--cases FILE`` (a JSON object) and
 ``--out DIR``. The case lists ``subsets`` (rank lists; every rank constructs each, in order) and ``refused``
 (rank lists whose construction must raise ValueError on every rank). Every rank writes ``DIR/rank<R>.json``
 with the largest error of each of its sums against the exact sum and the messages of the refusals.
@@ -65,10 +65,10 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", type=Path, required=True)
+    parser.add_argument("--cases", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    result = run(json.loads(args.case.read_text()))
+    result = run(json.loads(args.cases.read_text()))
     (args.out / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from comm_jobs import run_job
+from bpslaunch_job import run_job
 
 from tagps.comm.ps_service import PSSubset
 from tagps.config import CommConfig
 
+#: Chunks of 4 KiB: the worker's 5000-element sums span several (BytePS's default is 4 MB).
+JOB_ENV = {"BYTEPS_PARTITION_BYTES": "4096"}
 WORKER = Path(__file__).with_name("ps_subset_worker.py")
 
 
@@ -33,7 +35,8 @@ def _check_sums(results: list[dict[str, Any]], sums: dict[str, set[int]]) -> Non
 @pytest.mark.parametrize("servers", [1, 2])
 def test_subset_of_three_machines_next_to_a_sum_over_all(tmp_path: Path, servers: int) -> None:
     # {0, 2} crosses machines through the servers while rank 1 sums only "all"; {1} is one machine's.
-    results = run_job(WORKER, tmp_path, {"subsets": [[2, 0], [1]]}, workers=3, servers=servers, local_size=1)
+    case = {"subsets": [[2, 0], [1]]}
+    results = run_job(WORKER, tmp_path, case, workers=3, servers=servers, local_size=1, env=JOB_ENV)
     _check_sums(results, {"s0": {0, 2}, "s1": {1}, "all": {0, 1, 2}})
 
 
@@ -43,7 +46,7 @@ def test_subset_of_two_machines_with_two_local_ranks(tmp_path: Path) -> None:
     # {2, 3} lies inside machine 1 and {1} inside machine 0 (no server; {1} without its local rank 0).
     # [0, 3] leaves out machine 1's local rank 0: every rank refuses it before anything collective.
     case = {"subsets": [[0, 1, 2], [2, 3], [1]], "refused": [[0, 3], [0, 1, 3]]}
-    results = run_job(WORKER, tmp_path, case, workers=2, servers=1, local_size=2)
+    results = run_job(WORKER, tmp_path, case, workers=2, servers=1, local_size=2, env=JOB_ENV)
     _check_sums(results, {"s0": {0, 1, 2}, "s1": {2, 3}, "s2": {1}, "all": {0, 1, 2, 3}})
     for result in results:
         first, second = result["refused"]
@@ -57,7 +60,7 @@ def test_machines_of_different_sizes_push_once_each(tmp_path: Path) -> None:
     # Machines of 1 and 2 processes (TAGPS_MACHINE_SIZES=1,2): rank 1 is machine 1's local rank 0, so
     # {0, 1} crosses machines through the server; {1, 2} is machine 1's shared memory alone.
     case = {"subsets": [[0, 1], [1, 2]], "refused": [[0, 2]]}
-    results = run_job(WORKER, tmp_path, case, workers=2, servers=1, local_size=[1, 2])
+    results = run_job(WORKER, tmp_path, case, workers=2, servers=1, local_size=[1, 2], env=JOB_ENV)
     _check_sums(results, {"s0": {0, 1}, "s1": {1, 2}, "all": {0, 1, 2}})
     for result in results:
         (refused,) = result["refused"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from comm_jobs import run_job
+from bpslaunch_job import run_job
 
 WORKER = Path(__file__).with_name("unnamed_worker.py")
 

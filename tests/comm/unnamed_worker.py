@@ -1,6 +1,6 @@
 """Worker of the unnamed-key test: many unnamed sums through the summation servers, then what they left.
 
-Run under ``bpslaunch --local W --servers S --local-size L`` with ``--case FILE`` (``{"calls": N}``) and
+Run under ``bpslaunch --local W --servers S --local-size L`` with ``--cases FILE`` (``{"calls": N}``) and
 ``--out DIR``. Every rank writes ``DIR/rank<R>.json`` with the largest error of its sums against the exact
 sum, the PS keys its service declared, the shared-memory arenas its reducer holds and the ``/dev/shm``
 files of the job before shutdown.
@@ -46,10 +46,10 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", type=Path, required=True)
+    parser.add_argument("--cases", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    result = run(json.loads(args.case.read_text()))
+    result = run(json.loads(args.cases.read_text()))
     (args.out / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 

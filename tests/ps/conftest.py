@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 import zmq
+from bpslaunch_job import PS_ENGINES, ps_engine_env
 
-from tagps import _core
 from tagps.config import PSConfig, ps_config
 from tagps.launcher import free_ports
 from tagps.ps.node import SchedulerLink
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 __all__ = ["ENGINES", "PSJob", "WorkerResult", "ps_engine", "ps_job", "ps_job_class"]
 
 #: The data-plane engines every ``ps_job`` test runs with.
-ENGINES = ("python", "cpp")
+ENGINES = PS_ENGINES
 
 
 @dataclass
@@ -263,8 +263,7 @@ class HandWorker:
 def ps_engine(request: pytest.FixtureRequest) -> str:
     """A data-plane engine (``TAGPS_PS_ENGINE``); ``cpp`` is skipped when ``tagps._core`` lacks it."""
     engine: str = request.param
-    if engine == "cpp" and not _core.HAVE_NET:
-        pytest.skip("TAGPS_PS_ENGINE=cpp: tagps._core was built without libzmq (HAVE_NET is False)")
+    ps_engine_env(engine)
     return engine
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bpslaunch_job import PS_ENGINES
 
 from tagps import _core
 from tagps.config import ps_config
@@ -39,7 +40,6 @@ if os.environ.get("HANG"):
 client.close()
 """
 
-ENGINES = ("python", "cpp")
 ENV = {
     "TAGPS_SERVER_OPTIMIZER": "sgd",
     "TAGPS_SERVER_LR": "0.05",
@@ -107,9 +107,9 @@ def test_checkpoint_every_needs_a_path_sync_mode_and_a_positive_count(
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not _core.HAVE_NET, reason="TAGPS_PS_ENGINE=cpp: tagps._core was built without libzmq")
 def test_both_engines_write_the_same_checkpoint_and_restore_each_others(ps_job_class, tmp_path) -> None:
-    ckpt = {engine: tmp_path / f"{engine}.npz" for engine in ENGINES}
+    ckpt = {engine: tmp_path / f"{engine}.npz" for engine in PS_ENGINES}
     outputs = {}
-    for engine in ENGINES:
+    for engine in PS_ENGINES:
         (tmp_path / engine).mkdir()
         job_args = [["--checkpoint", str(ckpt[engine])]]
         with ps_job_class(num_workers=2, num_servers=1, env=ENV, server_args=job_args, engine=engine) as job:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("general_worker.py")
 sys.path.insert(0, str(Path(__file__).parent))
 import general_worker  # noqa: E402
-from torch_jobs import PS_ENGINES, ps_engine_env, run_job  # noqa: E402
+from bpslaunch_job import PS_ENGINES, ps_engine_env, run_job  # noqa: E402
 
 TOL = 1e-5
 
@@ -119,7 +119,7 @@ def run(
     env: dict[str, str] | None = None,
     servers: int = 0,
 ) -> list[dict[str, Any]]:
-    return run_job(tmp, cases, workers=workers, servers=servers, env=env, timeout=timeout, worker=WORKER)
+    return run_job(WORKER, tmp, cases, workers=workers, servers=servers, env=env, timeout=timeout)
 
 
 def assert_parity(results: list[dict[str, Any]], name: str) -> None:

@@ -192,7 +192,7 @@ JOBS: dict[str, tuple[dict[str, int], dict[str, str], list[dict[str, Any]]]] = {
 @pytest.fixture(scope="module")
 def gpu_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run each job once, on first use; map job name to every rank's results."""
-    import torch_jobs
+    import bpslaunch_job
 
     done: dict[str, Any] = {}
 
@@ -200,8 +200,8 @@ def gpu_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if job not in done:
             layout, env, cases = JOBS[job]
             # The shared launcher helper, with this file as the worker.
-            done[job] = torch_jobs.run_job(
-                tmp_path_factory.mktemp(job), cases, env=env, timeout=240, worker=Path(__file__), **layout
+            done[job] = bpslaunch_job.run_job(
+                Path(__file__), tmp_path_factory.mktemp(job), cases, env=env, timeout=240, **layout
             )
         return done[job]
 

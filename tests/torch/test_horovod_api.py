@@ -673,12 +673,10 @@ def _worker() -> None:
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def job_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, str]]]:
-    import torch_jobs
+    import bpslaunch_job
 
     tmp = tmp_path_factory.mktemp("horovod")
-    yield torch_jobs.run_job(
-        tmp, list(CHECKS), workers=WORKERS, timeout=400.0, worker=Path(__file__)
-    )  # type: ignore[arg-type]
+    yield bpslaunch_job.run_job(Path(__file__), tmp, list(CHECKS), workers=WORKERS, timeout=400.0)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

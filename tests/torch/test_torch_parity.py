@@ -7,14 +7,16 @@ process, a reference model on the whole global batch, and reports the largest pa
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from torch_jobs import PS_ENGINES, ps_engine_env, run_job
+from bpslaunch_job import PS_ENGINES, ps_engine_env, run_job
 
 from tagps.strategy.plan import PLAN_VERSION
 from tagps.strategy.topology import paper_testbed
 
+WORKER = Path(__file__).with_name("parity_worker.py")
 TOL = 1e-5
 # fp16 compression rounds each gradient element to 11 significant bits twice (before and after the sum):
 # relative error <= 2**-10 per step. Five SGD-momentum steps with lr 0.1 on gradients of magnitude <= 1
@@ -110,13 +112,14 @@ EXPECTED_ERRORS = {
 @pytest.fixture(scope="module")
 def allreduce_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Two worker machines, no server: allreduce, sfb and none."""
-    return run_job(tmp_path_factory.mktemp("allreduce"), ALLREDUCE_CASES, workers=2)
+    return run_job(WORKER, tmp_path_factory.mktemp("allreduce"), ALLREDUCE_CASES, workers=2)
 
 
 @pytest.fixture(scope="module", params=PS_ENGINES)
 def ps_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Two machines of two local ranks (one PCIe switch each) and a summation server, per PS engine."""
     return run_job(
+        WORKER,
         tmp_path_factory.mktemp("ps"),
         PS_CASES,
         workers=2,
@@ -130,6 +133,7 @@ def ps_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def local_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One machine of three local ranks in two topology groups, and a summation server."""
     return run_job(
+        WORKER,
         tmp_path_factory.mktemp("local"),
         LOCAL_CASES,
         workers=1,

@@ -1,4 +1,9 @@
-"""Run the parity worker as a real job under ``bpslaunch --local`` and collect every rank's results."""
+"""Run a test's worker script as a real ``bpslaunch --local`` job and collect every rank's results.
+
+The worker takes ``--cases FILE`` (the JSON the test passes: a list of cases or one case object) and
+``--out DIR``, and writes ``DIR/rank<R>.json``. Tests of jobs with summation servers run them under each
+PS data plane, :data:`PS_ENGINES`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +19,7 @@ import pytest
 
 from tagps import _core
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("parity_worker.py")
+REPO = Path(__file__).resolve().parents[1]
 #: The PS data planes (TAGPS_PS_ENGINE) that jobs with summation servers run with.
 PS_ENGINES = ("python", "cpp")
 
@@ -27,29 +32,31 @@ def ps_engine_env(engine: str) -> dict[str, str]:
 
 
 def run_job(
+    worker: Path,
     tmp: Path,
-    cases: list[dict[str, Any]],
+    cases: Any,
     *,
     workers: int,
     servers: int = 0,
-    local_size: int = 1,
+    local_size: int | Sequence[int] = 1,
     env: dict[str, str] | None = None,
     timeout: float = 150.0,
-    worker: Path = WORKER,
 ) -> list[dict[str, Any]]:
-    """Run ``cases`` on ``workers`` machines of ``local_size`` processes; return each rank's results.
+    """Run ``worker`` on ``workers`` machines of ``local_size`` processes each (or as many as each
+    machine's entry, ``bpslaunch --local-size 1,2``) with ``servers`` summation servers.
 
-    ``worker`` is the script each process runs (default: the parity worker); it takes ``--cases`` and
-    ``--out`` and writes ``rank<R>.json``.
+    Returns:
+        Each rank's ``rank<R>.json``, in rank order.
 
     Raises:
         AssertionError: the job failed or timed out (with its output).
     """
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "cases.json").write_text(json.dumps(cases))
+    sizes = [local_size] * workers if isinstance(local_size, int) else list(local_size)
     cmd = [
         sys.executable, "-m", "tagps.launcher", "--local", str(workers), "--servers", str(servers),
-        "--local-size", str(local_size), "--grace", "2", "--",
+        "--local-size", ",".join(map(str, sizes)), "--grace", "2", "--",
         sys.executable, str(worker), "--cases", str(tmp / "cases.json"), "--out", str(tmp),
     ]  # fmt: skip
     child_env = {**os.environ, "TAGPS_DIST_TIMEOUT": "60", **(env or {})}
@@ -61,5 +68,4 @@ def run_job(
         raise AssertionError(f"job timed out after {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None
     output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{output}"
-    size = workers * local_size
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(size)]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(sum(sizes))]
