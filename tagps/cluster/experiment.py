@@ -108,6 +108,10 @@ def plan_servers(plan: Plan) -> dict[str, int]:
     return {name: 1 for name in names}
 
 
+#: The variables :func:`plan_env` sets (a job's worker records them, to show what it ran with).
+PLAN_ENV_KEYS = ("BYTEPS_PARTITION_BYTES", "BYTEPS_KEY_HASH_FN")
+
+
 def plan_env(plan: Plan) -> dict[str, str]:
     """The PS settings a plan was costed with, as the environment of its job's processes (servers included).
 
@@ -116,7 +120,7 @@ def plan_env(plan: Plan) -> dict[str, str]:
     """
     if not plan.comm.partition_bytes or not plan.ps_groups():
         return {}
-    return {"BYTEPS_PARTITION_BYTES": str(plan.comm.partition_bytes), "BYTEPS_KEY_HASH_FN": "balanced"}
+    return dict(zip(PLAN_ENV_KEYS, (str(plan.comm.partition_bytes), "balanced"), strict=True))
 
 
 def plan_layout(plan: Plan) -> str:

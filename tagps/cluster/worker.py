@@ -34,8 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tagps.atomic import write_text_atomic
-
-PS_ENV_KEYS = ("BYTEPS_PARTITION_BYTES", "BYTEPS_KEY_HASH_FN")  # recorded in the result as ``ps_env``
+from tagps.cluster.experiment import PLAN_ENV_KEYS
 
 __all__ = ["main"]
 
@@ -219,7 +218,7 @@ def _write_result(
         "cpu_s_per_step": {d: cpu for d, (cpu, _) in zip(devices, used, strict=True)},
         "page_faults_per_step": {d: faults for d, (_, faults) in zip(devices, used, strict=True)},
         # The PS settings the job ran with (tagps.cluster.experiment.plan_env): what its plan was costed at.
-        "ps_env": {k: os.environ[k] for k in PS_ENV_KEYS if k in os.environ},
+        "ps_env": {k: os.environ[k] for k in PLAN_ENV_KEYS if k in os.environ},
     }
     write_text_atomic(args.out, json.dumps(result, indent=1))  # whole or absent, whatever happens next
 
