@@ -7,16 +7,17 @@ import ctypes.util
 import functools
 import logging
 
-__all__ = ["keep_freed_buffers"]
+__all__ = ["glibc_env", "keep_freed_buffers"]
 
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest allowed value on 64-bit
+_RETAIN_BYTES = 1 << 30
 
 
 @functools.cache
-def keep_freed_buffers(retain_bytes: int = 1 << 30) -> bool:
+def keep_freed_buffers(retain_bytes: int = _RETAIN_BYTES) -> bool:
     """Make glibc's malloc reuse freed buffers instead of returning them to the kernel.
 
     A training step allocates and frees buffers of a tensor's size every time: ZeroMQ a fresh one for
@@ -41,3 +42,15 @@ def keep_freed_buffers(retain_bytes: int = 1 << 30) -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     retain = min(retain_bytes, (1 << 31) - 1)
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, retain))
+
+
+def glibc_env(retain_bytes: int = _RETAIN_BYTES) -> dict[str, str]:
+    """The environment that gives a process which never calls :func:`keep_freed_buffers` the same heap.
+
+    glibc's malloc reads these tunables at start-up. Benchmarks give them to the baselines that do not run
+    tagps (Horovod under ``horovodrun``), so that tagps's heap setting is not counted as its speed-up.
+    """
+    return {
+        "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD_MAX),
+        "MALLOC_TRIM_THRESHOLD_": str(min(retain_bytes, (1 << 31) - 1)),
+    }
