@@ -28,7 +28,9 @@ runs when ``horovod.torch`` imports (``make bench-deps`` builds it; else it is s
 the JSON): ``examples/train_synthetic.py --horovod`` under ``horovodrun --gloo -np 2 -H localhost:2``,
 then the same script with the best tagps method of the ``1x2`` job (``--strategy``, under that layout's
 ``bpslaunch``) and with ``--ddp``, back to back: Horovod cannot take turns with the other methods inside
-one job, since its background thread would keep synchronising all along.
+one job, since its background thread would keep synchronising all along. Horovod runs with the C heap
+setting that ``tagps.torch.init()`` applies to the other two (``tagps.heap.glibc_env``), so that the
+comparison is of the frameworks, not of glibc's defaults.
 
 Prints a table and writes JSON (default ``bench/results/e2e_local.json``) with ``machine``, ``commands``,
 the raw ``measurements`` (samples/s of both workers together, and every step time) and the ``figures``:
@@ -57,6 +59,8 @@ import tempfile
 from pathlib import Path
 
 from benchlib import command_line, machine_info, write_json
+
+from tagps.heap import glibc_env
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "e2e_worker.py"
@@ -143,8 +147,11 @@ def example_runs(model: str, strategy: str, tmp: Path, commands: dict[str, str])
     """samples/s of the example script's runs of ``model`` (:func:`example_commands`), back to back."""
     result = {}
     for name, cmd in example_commands(model, strategy, tmp).items():
-        commands[f"{model}/example-{name}"] = shlex.join(cmd)
-        run(cmd, timeout=1800)
+        # Horovod gets the heap tagps.torch.init() gives the other two runs (glibc_env): else a fifth of
+        # its step goes to faulting freed buffers in again (VGG19 here: 20-22 samples/s plain, 24-26 so).
+        env = glibc_env() if name == "horovod" else {}
+        commands[f"{model}/example-{name}"] = "".join(f"{k}={v} " for k, v in env.items()) + shlex.join(cmd)
+        run(cmd, timeout=1800, extra_env=env)
         result[name] = float(json.loads(Path(cmd[-1]).read_text())["samples_per_s"])
     return result
 
