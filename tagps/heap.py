@@ -11,8 +11,7 @@ __all__ = ["glibc_env", "keep_freed_buffers"]
 
 log = logging.getLogger(__name__)
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest allowed value on 64-bit
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _RETAIN_BYTES = 1 << 30
 
 
@@ -28,8 +27,14 @@ def keep_freed_buffers(retain_bytes: int = _RETAIN_BYTES) -> bool:
     thread 7,600 per step, kept 100. Whether a process faults so depends on its allocation history: two
     ranks of tagps all-reduce on one emulated machine took 150,000 faults in 4 s in one run and 357-1,274
     in others. Process-wide, so once per process is enough (later calls return the first's answer):
-    buffers below 32 MiB come from the heap, and up to ``retain_bytes`` of free heap is kept. Returns
-    False (and changes nothing) where the C library has no ``mallopt``.
+    every buffer comes from the heap (no ``mmap`` of its own, which glibc would unmap on free, whatever its
+    size), and up to ``retain_bytes`` of free heap is kept. Above 32 MiB, the largest mmap threshold glibc
+    allows, only that keeps a buffer: VGG19's 64 MiB weight gradient, allocated afresh by every backward,
+    cost 16,000 faults a step. Pages given back are dear on a VM with free page reporting (this host's
+    virtio balloon): a 2-rank VGG19 job whose workers also trained a second replica spent up to 1.2 s of
+    system time a step zeroing fresh pages (perf: ``clear_page_erms`` under sgemm); its ps steps took a
+    median 0.98 s with buffers below 32 MiB kept, 0.71-0.81 s with all kept. Returns False (and changes
+    nothing) where the C library has no ``mallopt``.
     """
     name = ctypes.util.find_library("c")
     try:
@@ -41,7 +46,7 @@ def keep_freed_buffers(retain_bytes: int = _RETAIN_BYTES) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     retain = min(retain_bytes, (1 << 31) - 1)
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, retain))
+    return bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, retain))
 
 
 def glibc_env(retain_bytes: int = _RETAIN_BYTES) -> dict[str, str]:
@@ -51,6 +56,6 @@ def glibc_env(retain_bytes: int = _RETAIN_BYTES) -> dict[str, str]:
     tagps (Horovod under ``horovodrun``), so that tagps's heap setting is not counted as its speed-up.
     """
     return {
-        "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD_MAX),
+        "MALLOC_MMAP_MAX_": "0",
         "MALLOC_TRIM_THRESHOLD_": str(min(retain_bytes, (1 << 31) - 1)),
     }

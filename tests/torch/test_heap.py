@@ -10,14 +10,17 @@ import pytest
 
 from tagps.heap import glibc_env
 
-# An Adam step of an 8 MiB weight: its sqrt and division temporaries are allocated and freed every step.
+# Adam steps of a WIDTH x 1024 weight: its gradient (zero_grad sets it to None) and the step's sqrt and
+# division temporaries are allocated and freed every step. Width 2048: 8 MiB each, below glibc's largest
+# mmap threshold (32 MiB); 16384: 64 MiB, above it, as VGG19's largest weight.
 _STEPS = r"""
 import resource, sys, torch
 torch.set_num_threads(1)
 if sys.argv[1] == "init":
     import tagps.torch as bps
     bps.init()
-model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+width = int(sys.argv[2])
+model = torch.nn.Sequential(torch.nn.Linear(1024, width), torch.nn.ReLU(), torch.nn.Linear(width, 10))
 opt = torch.optim.Adam(model.parameters())
 x = torch.randn(16, 1024)
 def step():
@@ -33,9 +36,9 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
 """
 
 
-def _faults_per_step(mode: str, env: dict[str, str] | None = None) -> float:
+def _faults_per_step(mode: str, width: int, env: dict[str, str] | None = None) -> float:
     done = subprocess.run(
-        [sys.executable, "-c", _STEPS, mode],
+        [sys.executable, "-c", _STEPS, mode, str(width)],
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
@@ -45,20 +48,31 @@ def _faults_per_step(mode: str, env: dict[str, str] | None = None) -> float:
     return float(done.stdout)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (mallopt) is Linux's")
-def test_init_keeps_freed_buffers(no_job_layout: None) -> None:  # init(): a job of one process
-    plain = _faults_per_step("plain")
+LINUX_ONLY = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc's malloc (mallopt) is Linux's"
+)
+
+
+def _plain_faults(width: int) -> float:
+    """Faults a step under glibc's defaults; skips where the C library does not fault the buffers in."""
+    plain = _faults_per_step("plain", width)
     if plain < 1000:
         pytest.skip(f"this C library's malloc does not fault temporaries in afresh ({plain:.0f} a step)")
-    # glibc's defaults: about 4,000 faults a step (the two 8 MiB temporaries, page by page); kept: 0, but
-    # for the heap's growth, once (4,096 faults seen in one run).
-    assert _faults_per_step("init") < plain / 4
+    return plain
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (mallopt) is Linux's")
-def test_glibc_env_gives_a_process_without_tagps_the_same_heap() -> None:
+@LINUX_ONLY
+@pytest.mark.parametrize("width", [2048, 16384])
+def test_init_keeps_freed_buffers(no_job_layout: None, width: int) -> None:  # init(): a job of one process
+    plain = _plain_faults(width)
+    # glibc's defaults: about 4,000 faults a step at width 2048 (the 8 MiB temporaries, page by page), about
+    # 65,000 at 16384; kept: 0, but for the heap's growth, once (4,096 faults seen in one run).
+    assert _faults_per_step("init", width) < plain / 4
+
+
+@LINUX_ONLY
+@pytest.mark.parametrize("width", [2048, 16384])
+def test_glibc_env_gives_a_process_without_tagps_the_same_heap(width: int) -> None:
     # What the benchmarks give Horovod: the heap of init() without calling it.
-    plain = _faults_per_step("plain")
-    if plain < 1000:
-        pytest.skip(f"this C library's malloc does not fault temporaries in afresh ({plain:.0f} a step)")
-    assert _faults_per_step("plain", glibc_env()) < plain / 4
+    plain = _plain_faults(width)
+    assert _faults_per_step("plain", width, glibc_env()) < plain / 4
