@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _RETAIN_BYTES = 1 << 30
+_C_INT_MAX = (1 << 31) - 1  # mallopt's value is a C int
 
 
 @functools.cache
@@ -45,8 +46,7 @@ def keep_freed_buffers(retain_bytes: int = _RETAIN_BYTES) -> bool:
         log.debug("no mallopt in the C library; buffers are allocated with its defaults")
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    retain = min(retain_bytes, (1 << 31) - 1)
-    return bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, retain))
+    return bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, min(retain_bytes, _C_INT_MAX)))
 
 
 def glibc_env(retain_bytes: int = _RETAIN_BYTES) -> dict[str, str]:
@@ -57,5 +57,5 @@ def glibc_env(retain_bytes: int = _RETAIN_BYTES) -> dict[str, str]:
     """
     return {
         "MALLOC_MMAP_MAX_": "0",
-        "MALLOC_TRIM_THRESHOLD_": str(min(retain_bytes, (1 << 31) - 1)),
+        "MALLOC_TRIM_THRESHOLD_": str(min(retain_bytes, _C_INT_MAX)),
     }
