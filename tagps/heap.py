@@ -16,6 +16,14 @@ _RETAIN_BYTES = 1 << 30
 _C_INT_MAX = (1 << 31) - 1  # mallopt's value is a C int
 
 
+def _settings(retain_bytes: int) -> list[tuple[int, str, int]]:
+    """The heap settings as (mallopt parameter, the glibc environment variable for it, value)."""
+    return [
+        (_M_MMAP_MAX, "MALLOC_MMAP_MAX_", 0),
+        (_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", min(retain_bytes, _C_INT_MAX)),
+    ]
+
+
 @functools.cache
 def keep_freed_buffers(retain_bytes: int = _RETAIN_BYTES) -> bool:
     """Make glibc's malloc reuse freed buffers instead of returning them to the kernel.
@@ -46,7 +54,7 @@ def keep_freed_buffers(retain_bytes: int = _RETAIN_BYTES) -> bool:
         log.debug("no mallopt in the C library; buffers are allocated with its defaults")
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, min(retain_bytes, _C_INT_MAX)))
+    return all(mallopt(param, value) for param, _, value in _settings(retain_bytes))
 
 
 def glibc_env(retain_bytes: int = _RETAIN_BYTES) -> dict[str, str]:
@@ -55,7 +63,4 @@ def glibc_env(retain_bytes: int = _RETAIN_BYTES) -> dict[str, str]:
     glibc's malloc reads these tunables at start-up. Benchmarks give them to the baselines that do not run
     tagps (Horovod under ``horovodrun``), so that tagps's heap setting is not counted as its speed-up.
     """
-    return {
-        "MALLOC_MMAP_MAX_": "0",
-        "MALLOC_TRIM_THRESHOLD_": str(min(retain_bytes, _C_INT_MAX)),
-    }
+    return {name: str(value) for _, name, value in _settings(retain_bytes)}
