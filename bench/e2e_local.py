@@ -148,7 +148,8 @@ def example_runs(model: str, strategy: str, tmp: Path, commands: dict[str, str])
     result = {}
     for name, cmd in example_commands(model, strategy, tmp).items():
         # Horovod gets the heap tagps.torch.init() gives the other two runs (glibc_env): else a fifth of
-        # its step goes to faulting freed buffers in again (VGG19 here: 20-22 samples/s plain, 24-26 so).
+        # its step goes to faulting freed buffers in again (VGG19 here: 20-22 samples/s plain, 24-26 with
+        # the setting of 5d362e5, buffers below 32 MiB kept).
         env = glibc_env() if name == "horovod" else {}
         commands[f"{model}/example-{name}"] = "".join(f"{k}={v} " for k, v in env.items()) + shlex.join(cmd)
         run(cmd, timeout=1800, extra_env=env)

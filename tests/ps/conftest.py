@@ -41,11 +41,7 @@ from tagps.ps.transport import Security
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ENGINES", "PSJob", "WorkerResult", "ps_engine", "ps_job", "ps_job_class"]
-
-#: The data-plane engines every ``ps_job`` test runs with.
-ENGINES = PS_ENGINES
-
+__all__ = ["PSJob", "WorkerResult", "ps_engine", "ps_job", "ps_job_class"]
 
 @dataclass
 class WorkerResult:
@@ -259,7 +255,7 @@ class HandWorker:
         self.context.term()
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(params=PS_ENGINES)  # every ps_job test runs with each
 def ps_engine(request: pytest.FixtureRequest) -> str:
     """A data-plane engine (``TAGPS_PS_ENGINE``); ``cpp`` is skipped when ``tagps._core`` lacks it."""
     engine: str = request.param
