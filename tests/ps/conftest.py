@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["PSJob", "WorkerResult", "ps_engine", "ps_job", "ps_job_class"]
 
+
 @dataclass
 class WorkerResult:
     """Exit status and output of one worker process."""
