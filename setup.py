@@ -45,7 +45,7 @@ class CMakeBuild(build_ext):
 
 
 STRATEGY = ["pymetis>=2023.1", "cvxpy>=1.5", "highspy>=1.7", "torch-geometric>=2.5", "matplotlib>=3.7"]
-TEST = ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.6"]
+TEST = ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.6", "psutil>=5.9"]
 
 setup(
     name="tagps",
