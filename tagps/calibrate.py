@@ -34,6 +34,7 @@ loads (:mod:`tagps.strategy.calibration`; default ``$TAGPS_CACHE_DIR/calibration
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -42,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -316,30 +317,42 @@ def _compute_samples(batches: Sequence[int], steps: int) -> list[ComputeSample]:
     return samples
 
 
-def _allreduce_probe(out: str, reps: int) -> None:
-    """Worker of the link calibration: time gloo all-reduces of ``_SIZES``; rank 0 writes the fastest."""
+@contextlib.contextmanager
+def _probe_rank() -> Iterator[Any]:
+    """Join the probe's job as a one-thread rank (the probes time the runtime, not torch's thread pool);
+    yield :mod:`tagps.torch` and leave the job at the end."""
     import torch
-    import torch.distributed as dist
 
     import tagps.torch as bps
 
     torch.set_num_threads(1)
     bps.init()
-    result = {}
-    for size in _SIZES:
-        t = torch.ones(size // 4)
-        for _ in range(2):
-            dist.all_reduce(t)
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            times.append(time.perf_counter() - start)
-        result[str(size)] = min(times)
-    if bps.rank() == 0:
-        write_text_atomic(out, json.dumps(result))
-    bps.shutdown()
+    try:
+        yield bps
+    finally:
+        bps.shutdown()
+
+
+def _allreduce_probe(out: str, reps: int) -> None:
+    """Worker of the link calibration: time gloo all-reduces of ``_SIZES``; rank 0 writes the fastest."""
+    import torch
+    import torch.distributed as dist
+
+    with _probe_rank() as bps:
+        result = {}
+        for size in _SIZES:
+            t = torch.ones(size // 4)
+            for _ in range(2):
+                dist.all_reduce(t)
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - start)
+            result[str(size)] = min(times)
+        if bps.rank() == 0:
+            write_text_atomic(out, json.dumps(result))
 
 
 def _runtime_cpu_probe(out: str, calls: int) -> None:
@@ -349,27 +362,24 @@ def _runtime_cpu_probe(out: str, calls: int) -> None:
     import torch
     import torch.distributed as dist
 
-    import tagps.torch as bps
     from tagps.config import comm_config
     from tagps.torch import ops
 
-    torch.set_num_threads(1)
-    bps.init()
-    tensor = torch.ones(256)
-    per_call: dict[str, float] = {}
-    for method in ("allreduce", "ps") if comm_config().num_server else ("allreduce",):
-        for _ in range(20):  # warm-up: connections, declarations, first allocations
-            ops.start_sum(tensor, method=method, name="cpu-probe").wait()
-        dist.barrier()
-        start = time.process_time()  # every thread of the process: the transport's and the engine's too
-        for _ in range(calls):
-            ops.start_sum(tensor, method=method, name="cpu-probe").wait()
-        per_call[method] = (time.process_time() - start) / calls
-    everyone: list[Any] = [None] * bps.size()
-    dist.all_gather_object(everyone, per_call)
-    if bps.rank() == 0:
-        write_text_atomic(out, json.dumps({m: [r[m] for r in everyone] for m in per_call}))
-    bps.shutdown()
+    with _probe_rank() as bps:
+        tensor = torch.ones(256)
+        per_call: dict[str, float] = {}
+        for method in ("allreduce", "ps") if comm_config().num_server else ("allreduce",):
+            for _ in range(20):  # warm-up: connections, declarations, first allocations
+                ops.start_sum(tensor, method=method, name="cpu-probe").wait()
+            dist.barrier()
+            start = time.process_time()  # every thread of the process: the transport's and the engine's too
+            for _ in range(calls):
+                ops.start_sum(tensor, method=method, name="cpu-probe").wait()
+            per_call[method] = (time.process_time() - start) / calls
+        everyone: list[Any] = [None] * bps.size()
+        dist.all_gather_object(everyone, per_call)
+        if bps.rank() == 0:
+            write_text_atomic(out, json.dumps({m: [r[m] for r in everyone] for m in per_call}))
 
 
 def _run_logged(run: Callable[[Any], int], what: str) -> None:

@@ -46,7 +46,7 @@ EARLY_REGISTER_TIMEOUT, REGISTER_TIMEOUT = 10.0, 60.0
 # stopping its siblings (--grace 2). The teardown dominates: a process that imported torch spends 0.6 s of
 # CPU exiting (its final garbage collection), and the 4 worker processes exit at once on 2 cores. Measured
 # from the kill to the last machine's end, seeds killing a server: 4.8-7.4 s idle, 6.2-8.3 s beside one
-# busy core; CI's slower host, running 2 jobs at once, took over 10.5 s (seed 13 failed at 8 s of slack).
+# busy core; in CI (seeds two at a time, as here) one run took over 10.5 s, failing at 8 s of slack.
 EXIT_SLACK = 15.0
 EARLY_KILL_CHANCE = 0.2
 # Each machine's bpslaunch runs through this line, which writes main's return value to a file: Popen
