@@ -709,9 +709,9 @@ class _TaskGraph:
             ValueError: a parameter has no gradient entry in the plan.
         """
         sim, plan, add = self.sim, self.plan, self.sched.add
-        dtypes, dindex, fbatch = sim.dtypes, sim.dindex, self.fbatch
+        dtypes, fbatch = sim.dtypes, self.fbatch
         inter_lat, intra_lat = sim.topology.inter_latency_s, sim.topology.intra_latency_s
-        gradients, params, param_index = plan.gradients, sim.graph.params, sim.param_index
+        gradients, params = plan.gradients, sim.graph.params
         ops, owner = sim.graph.ops, sim.owner_op
         bwd_done, sync_done, barrier = self.bwd_done, self.sync_done, self.barrier
         host = sim.host_cpu is not None
@@ -730,34 +730,16 @@ class _TaskGraph:
                 continue
             per = self.layouts[i]
             members, n = sim._members(per)
-            ar_sizes: list[int] = []
-            # server device group -> [bytes, tensors, partitions, calls: tensors whose first partition it has]
-            ps_bytes: dict[int, list[float]] = {}
-            sfb: list[str] = []
+            syncs = []
             for name in names:
                 entry = gradients.get(name)
                 if entry is None:
                     raise ValueError(f"plan has no gradient entry for parameter {name!r}")
-                sync = entry.sync
-                if sync == "allreduce":
-                    ar_sizes.append(params[name])
-                elif sync == "ps":
-                    servers = plan.ps_servers or gp.placement
-                    ns = len(servers)
-                    size = params[name]
-                    first = param_index[name]
-                    parts = -(-size // partition)
-                    for q in range(min(parts, ns)):  # partitions go round-robin over the servers
-                        slot = ps_bytes.setdefault(dindex[servers[(first + q) % ns]], [0.0, 0, 0, 0])
-                        mine = parts // ns + (1 if q < parts % ns else 0)
-                        slot[0] += size * mine / parts
-                        slot[1] += 1
-                        slot[2] += mine
-                        slot[3] += q == 0
-                else:
-                    sfb.append(name)
+                syncs.append(entry.sync)
             if n == 1 or not names:
                 continue
+            servers = tuple(plan.ps_servers or gp.placement)
+            ar_sizes, ps_bytes, sfb, nics = sim._sync_split(i, members, servers, partition, tuple(syncs))
             deps = [barrier] if barrier is not None else [bwd_done[i][g] for g in per]
             if ar_sizes:
                 if fusion:
@@ -779,7 +761,6 @@ class _TaskGraph:
                         sync_done[g].append(t)
                     self._ring_cpu(members, sum(ar_sizes), deps, i)
                     self._charge_collectives(members, len(ar_sizes), 2 * (n - 1))
-            nics = sim._ps_nics(members, ps_bytes) if ps_bytes else {}
             wire = max(nics.values(), default=0.0)
             for s, (nbytes, count, partitions, calls) in ps_bytes.items():
                 local, res, remote = sim._ps(members, s)
@@ -1054,6 +1035,10 @@ class Simulator:
         self._ps_cache: dict[
             tuple[tuple[tuple[int, int], ...], int], tuple[float, tuple[int, ...], bool]
         ] = {}
+        self._sync_cache: dict[
+            tuple[int, tuple[tuple[int, int], ...], tuple[str, ...], int, tuple[str, ...]],
+            tuple[list[int], dict[int, list[float]], list[str], dict[int, float]],
+        ] = {}
         self._compute_tables(profiles, cpu_core_flops)
 
     def _compute_tables(self, profiles: dict[str, Profile] | None, cpu_core_flops: float | None) -> None:
@@ -1224,6 +1209,48 @@ class Simulator:
             local = max((m - 1) / m / bw[w][w] for w, m in members.items())
             res = (n + server,) if remote else tuple(2 * n + w for w in members)
             hit = self._ps_cache[key] = (local, res, remote)
+        return hit
+
+    def _sync_split(
+        self,
+        group: int,
+        members: dict[int, int],
+        servers: tuple[str, ...],
+        partition: int,
+        syncs: tuple[str, ...],
+    ) -> tuple[list[int], dict[int, list[float]], list[str], dict[int, float]]:
+        """How op group ``group``'s gradients sync (``syncs``: each parameter's method, in order): the sizes
+        all-reduced, the bytes each PS server takes (server device group -> ``[bytes, tensors, partitions,
+        calls]``, calls: tensors whose first partition it has), the ``sfb`` parameters, and each NIC's
+        seconds for the PS part (:meth:`_ps_nics`). Cached: a search costs the same op group's choice in
+        many plans. The result is shared; callers must not modify it."""
+        key = (group, tuple(members.items()), servers, partition, syncs)
+        hit = self._sync_cache.get(key)
+        if hit is not None:
+            return hit
+        params, dindex = self.graph.params, self.dindex
+        ar_sizes: list[int] = []
+        ps_bytes: dict[int, list[float]] = {}
+        sfb: list[str] = []
+        ns = len(servers)
+        for name, sync in zip(self.groups[group].param_names, syncs, strict=True):
+            if sync == "allreduce":
+                ar_sizes.append(params[name])
+            elif sync == "ps":
+                size = params[name]
+                first = self.param_index[name]
+                parts = -(-size // partition)
+                for q in range(min(parts, ns)):  # partitions go round-robin over the servers
+                    slot = ps_bytes.setdefault(dindex[servers[(first + q) % ns]], [0.0, 0, 0, 0])
+                    mine = parts // ns + (1 if q < parts % ns else 0)
+                    slot[0] += size * mine / parts
+                    slot[1] += 1
+                    slot[2] += mine
+                    slot[3] += q == 0
+            else:
+                sfb.append(name)
+        nics = self._ps_nics(members, ps_bytes) if ps_bytes else {}
+        hit = self._sync_cache[key] = (ar_sizes, ps_bytes, sfb, nics)
         return hit
 
     def _ps_nics(self, members: dict[int, int], ps_bytes: dict[int, list[float]]) -> dict[int, float]:
