@@ -124,6 +124,10 @@ def explain(
         "plan_is_the_data_parallel_one": result.time_s >= dp.time_s,
         "evaluations": result.evaluations,
         "history_ms": [(it, round(t * 1e3, 3)) for it, t in result.history],
+        # Samples per device, by device group: a compute-bound plan is its busiest device's whole samples.
+        "batch_shares": {
+            g.name: [plan.batch_shares.get(f"{g.name}:{k}", 0) for k in range(g.count)] for g in sim.dgroups
+        },
         "busiest_device": busiest,
         "busiest_compute_ms": round(sim_result.busy[busiest] * 1e3, 3),
         "exposed_ms": round((sim_result.iteration_time - sim_result.busy[busiest]) * 1e3, 3),
