@@ -55,13 +55,21 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from tagps.strategy.baselines import HOROVOD_FUSION_BYTES, byteps_like, dp_nccl, op_group_plan
 from tagps.strategy.layered import layered_paths
-from tagps.strategy.plan import SYNC_ALLOWED, CommSettings, GradientSync, Plan, PlanError, Prediction
+from tagps.strategy.plan import (
+    SYNC_ALLOWED,
+    CommSettings,
+    GradientSync,
+    OpGroupPlan,
+    Plan,
+    PlanError,
+    Prediction,
+)
 from tagps.strategy.simulator import SimResult, Simulator, ring_allreduce_time
 
 __all__ = [
@@ -98,6 +106,8 @@ ROOT_FPU = 1e6  # value of an admitted, untried root action: above any reward, s
 # Passes of the refinement over every op group; a pass that changes nothing ends it sooner. Most gains come
 # in the first pass: the tree decides the heavy groups, the refinement the many light ones below its depth.
 REFINE_PASSES = 3
+
+T = TypeVar("T")  # an action or its index: a tree path holds either
 
 
 @dataclass(frozen=True)
@@ -382,6 +392,8 @@ class _Search:
         self.ctx = SearchContext(sim, batch, self.order, self.actions, _speed_weights(sim, batch))
         self.mp_size = np.array([len(a.devices) if a.option == "mp" else 0 for a in self.actions], float)
         self.evaluations = 0
+        self.parts: dict[tuple[int, Action], tuple[OpGroupPlan, dict[str, GradientSync]]] = {}
+        self.outcomes: dict[tuple[int, ...], tuple[float, SimResult | None]] = {}  # per op group's action
         self.shares: dict[tuple[int, ...], dict[str, int]] = {}  # per set of replicated device groups
         self.best: tuple[float, Plan, SimResult] | None = None
         self.best_decided: tuple[int, ...] = ()  # the tree path of ``best``
@@ -412,20 +424,15 @@ class _Search:
         ``kind`` is the search's unless given.
         """
         sim = self.sim
-        per_group = [decided[0]] * len(sim.groups)
-        for level, action in enumerate(decided):
-            per_group[self.order[level]] = action
-        names = [g.name for g in sim.dgroups]
         groups = []
         gradients: dict[str, GradientSync] = {}
         replicated: set[int] = set()
-        for i, action in enumerate(per_group):
-            groups.append(op_group_plan(sim, i, tuple(names[g] for g in action.devices), action.option))
-            sync = SYNC_ALLOWED[action.option][0]
+        for i, action in enumerate(self.per_group(decided)):
+            group, syncs = self.group_part(i, action)
+            groups.append(group)
+            gradients.update(syncs)
             if action.option in REPLICATED:
                 replicated.update(action.devices)
-            for name in sim.groups[i].param_names:
-                gradients[name] = GradientSync(i, sync)
         used = sorted(replicated) if replicated else list(sim.topology.worker_indices)
         kind = kind or ("data-parallel" if self.config.data_parallel else "general")
         return Plan(
@@ -442,6 +449,29 @@ class _Search:
             ),
         ).validate()
 
+    def group_part(self, index: int, action: Action) -> tuple[OpGroupPlan, dict[str, GradientSync]]:
+        """Op group ``index``'s entry and its parameters' gradient entries under ``action``, made once (a
+        search builds thousands of plans from the same few parts)."""
+        key = (index, action)
+        part = self.parts.get(key)
+        if part is None:
+            sim = self.sim
+            placement = tuple(sim.dgroups[g].name for g in action.devices)
+            sync = SYNC_ALLOWED[action.option][0]
+            part = self.parts[key] = (
+                op_group_plan(sim, index, placement, action.option),
+                {name: GradientSync(index, sync) for name in sim.groups[index].param_names},
+            )
+        return part
+
+    def per_group(self, decided: Sequence[T]) -> list[T]:
+        """Each op group's action (or action index) under the tree path ``decided``: undecided groups follow
+        the first decided action, so paths that differ only in where they stop can be the same plan."""
+        per_group = [decided[0]] * len(self.order)
+        for level, action in enumerate(decided):
+            per_group[self.order[level]] = action
+        return per_group
+
     def shares_of(self, used: tuple[int, ...]) -> dict[str, int]:
         """:func:`_shares` over ``used``, once per set (the greedy split loops over every sample)."""
         hit = self.shares.get(used)
@@ -450,8 +480,16 @@ class _Search:
         return hit
 
     def evaluate(self, decided: tuple[int, ...]) -> tuple[float, SimResult | None]:
-        """Reward and simulation of a node's partial plan; remembers the best feasible plan."""
-        value, result = self._evaluate(decided)
+        """Reward and simulation of a node's partial plan; remembers the best feasible plan.
+
+        A plan is simulated once: a fifth of a search's paths (tree and refinement) repeat an earlier one's
+        plan, and the cached outcome is exactly what simulating it again would give.
+        """
+        key = tuple(self.per_group(decided))
+        known = self.outcomes.get(key)
+        if known is not None:
+            return known
+        value, result = self.outcomes[key] = self._evaluate(decided)
         self.vmin, self.vmax = min(self.vmin, value), max(self.vmax, value)
         return value, result
 

@@ -201,3 +201,21 @@ def test_tune_partition_leaves_a_plan_without_ps_as_it_is(tree: _Search) -> None
     plan = dp_nccl(tree.sim, 64)
     tuned, result = tune_partition(tree.sim, plan)
     assert tuned is plan and result.iteration_time == tree.sim.evaluate(plan).iteration_time
+
+
+def test_paths_that_make_the_same_plan_are_simulated_once() -> None:
+    graph = deep_mlp_graph(1024, 6)
+    sim = Simulator(graph, group_ops(graph, 6), three_groups("space"))
+    s = _Search(sim, 64, SearchConfig(iterations=1, sfb=False), None, False)
+    first = next(k for k, a in enumerate(s.actions) if a.option == "allreduce")
+    other = next(k for k, a in enumerate(s.actions) if a.option == "ps")
+    before = s.evaluations
+    value, result = s.evaluate((first,))
+    # The second level's op group follows the first action when undecided: (first, first) is that plan.
+    assert s.evaluate((first, first)) == (value, result)
+    assert s.evaluations == before + 1
+    assert s.plan([s.actions[first]]) == s.plan([s.actions[first], s.actions[first]])
+    changed, _ = s.evaluate((first, other))
+    assert s.evaluations == before + 2
+    direct = sim.evaluate(s.plan([s.actions[first], s.actions[other]]))
+    assert changed == pytest.approx(s.baseline_time / direct.iteration_time - 1.0)
